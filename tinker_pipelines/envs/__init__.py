@@ -1,0 +1,5 @@
+"""Environments: the Gym-like contract, the spec that builds them, and the built-ins."""
+
+from tinker_pipelines.envs.base import BUILTIN_ENVS, Env, EnvError, EnvSpec, checked_reset, checked_step
+
+__all__ = ["BUILTIN_ENVS", "Env", "EnvError", "EnvSpec", "checked_reset", "checked_step"]

@@ -1,0 +1,110 @@
+"""The environment contract and the picklable spec that builds environments by import path."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from tinker_pipelines.types import Observation, StepResult
+
+BUILTIN_ENVS = {
+    "arithmetic": "tinker_pipelines.envs.arithmetic:ArithmeticEnv",
+    "guess_number": "tinker_pipelines.envs.guess_number:GuessNumberEnv",
+}
+"""Short names for the built-in environments; any `package.module:ClassName` works too."""
+
+
+class EnvError(RuntimeError):
+    """An environment crashed or broke its contract; the message names the environment."""
+
+
+class Env(ABC):
+    """One episode per instance, Gym-like.
+
+    `reset(seed)` chooses the task (the same seed always gives the same task) and returns the
+    first observation as chat messages; `step(action)` takes the assistant's reply text.
+    """
+
+    @abstractmethod
+    def reset(self, seed: int | None = None) -> Observation:
+        """Start the episode and return the opening messages (system and user)."""
+
+    @abstractmethod
+    def step(self, action: str) -> StepResult:
+        """Apply the assistant's reply; return the new messages, reward and whether it is done."""
+
+    @property
+    def task_id(self) -> str:
+        """Names the task chosen by `reset`; episodes of one task are grouped."""
+        return str(getattr(self, "_seed", ""))
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """Picklable recipe for an environment: an import path plus keyword arguments."""
+
+    path: str
+    """A built-in name (see `BUILTIN_ENVS`) or `package.module:ClassName`."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Passed to the class's constructor."""
+
+    def resolve(self) -> type[Env]:
+        """Import the class; raise `ValueError` naming the path when it is not an `Env`."""
+        target = BUILTIN_ENVS.get(self.path, self.path)
+        module_name, sep, attr = target.partition(":")
+        if not sep or not module_name or not attr:
+            raise ValueError(
+                f"env.path {self.path!r} must be a built-in name ({', '.join(BUILTIN_ENVS)}) "
+                "or 'package.module:ClassName'"
+            )
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"env.path {self.path!r} cannot be imported: {e}") from e
+        if not (isinstance(cls, type) and issubclass(cls, Env)):
+            raise ValueError(f"env.path {self.path!r} is not a subclass of tinker_pipelines.envs.Env")
+        return cls
+
+    def build(self) -> Env:
+        """A fresh environment instance."""
+        cls = self.resolve()
+        try:
+            return cls(**self.kwargs)
+        except TypeError as e:
+            raise ValueError(f"env.kwargs do not fit {self.path!r}: {e}") from e
+
+
+def checked_step(env: Env, action: str) -> StepResult:
+    """`env.step`, with crashes and non-finite rewards reported as `EnvError` naming the env."""
+    name = type(env).__name__
+    try:
+        result = env.step(action)
+    except Exception as e:  # an env bug must not look like a policy failure
+        raise EnvError(f"environment {name} raised in step(): {type(e).__name__}: {e}") from e
+    if not isinstance(result, StepResult):
+        raise EnvError(f"environment {name}.step() returned {type(result).__name__}, not StepResult")
+    if not isinstance(result.reward, (int, float)) or not math.isfinite(result.reward):
+        raise EnvError(f"environment {name} returned a non-finite reward {result.reward!r}")
+    return result
+
+
+def checked_reset(env: Env, seed: int | None) -> Observation:
+    """`env.reset`, with crashes reported as `EnvError` naming the env."""
+    try:
+        obs = env.reset(seed=seed)
+    except Exception as e:
+        raise EnvError(f"environment {type(env).__name__} raised in reset(): {type(e).__name__}: {e}") from e
+    _check_messages(env, obs)
+    return obs
+
+
+def _check_messages(env: Env, obs: Any) -> None:
+    ok = isinstance(obs, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in obs
+    )
+    if not ok:
+        raise EnvError(f"environment {type(env).__name__} returned a malformed observation: {obs!r:.200}")

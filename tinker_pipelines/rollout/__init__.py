@@ -1,0 +1,1 @@
+"""Rollout: the batched sampler and the episode runner that drives environments with it."""

@@ -1,0 +1,117 @@
+"""Small typed domain objects shared by every layer.
+
+An episode is recorded token-exactly: each turn keeps the prompt tokens the policy saw, the
+tokens it sampled and their sampling logprobs. Tokens the environment contributed between turns
+are in the next turn's prompt and never carry loss. Nothing is re-tokenized from text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+
+class Message(TypedDict, total=False):
+    """One chat message, as chat templates expect it."""
+
+    role: str
+    content: str
+
+
+Observation = list[Message]
+"""What the agent sees: the chat messages added since its last action."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What `Env.step` returns."""
+
+    observation: Observation
+    """Messages the environment appends to the conversation (empty when the episode is done)."""
+    reward: float
+    """Reward for this step."""
+    done: bool
+    """True when the episode has ended."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Free-form diagnostics (e.g. the correct answer); logged, never trained on."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One policy action inside an episode."""
+
+    prompt_tokens: tuple[int, ...]
+    """Every token of the context the policy saw, including earlier turns and env tokens."""
+    sampled_tokens: tuple[int, ...]
+    """Tokens the policy sampled for this action."""
+    sampled_logprobs: tuple[float, ...]
+    """Sampling logprobs of `sampled_tokens`, one per token."""
+    reward: float
+    """Reward the environment returned for this action."""
+    action_text: str
+    """The decoded action, as the environment received it."""
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """The token-exact record of one episode."""
+
+    turns: tuple[Turn, ...]
+    """The policy's actions in order; turn k's prompt extends turn k-1's prompt and sample."""
+    final_reward: float
+    """Reward given when the episode ended, on top of per-turn rewards."""
+    task_id: str
+    """Identifies the task; episodes of one task form a group."""
+    stop_reason: str = "done"
+    """'done', 'max_turns' or 'context_overflow'."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Diagnostics from the environment's last step."""
+
+    @property
+    def total_reward(self) -> float:
+        """Sum of per-turn rewards and the final reward."""
+        return sum(t.reward for t in self.turns) + self.final_reward
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Tokens the policy produced across all turns."""
+        return sum(len(t.sampled_tokens) for t in self.turns)
+
+
+@dataclass(frozen=True)
+class TrajectoryGroup:
+    """G episodes of the same task, for group baselines (GRPO, RLOO)."""
+
+    trajectories: tuple[Trajectory, ...]
+    """The episodes; all share one `task_id`."""
+
+    @property
+    def rewards(self) -> list[float]:
+        """Total reward of each episode, in order."""
+        return [t.total_reward for t in self.trajectories]
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One training example: SFT, RL and DPO all reduce to batches of these.
+
+    Position t predicts `target_tokens[t]` from `input_tokens[: t + 1]`.
+    """
+
+    input_tokens: tuple[int, ...]
+    """Model input, length T."""
+    target_tokens: tuple[int, ...]
+    """Next-token targets, length T."""
+    weights: tuple[float, ...]
+    """Loss weight per position (0 for prompt and environment tokens), length T."""
+    behaviour_logprobs: tuple[float, ...] = ()
+    """Sampling logprobs of the targets (0 where weight is 0); empty for SFT."""
+    advantages: tuple[float, ...] = ()
+    """Advantage per position; empty for SFT."""
+
+    def __post_init__(self) -> None:
+        T = len(self.input_tokens)
+        for name in ("target_tokens", "weights", "behaviour_logprobs", "advantages"):
+            n = len(getattr(self, name))
+            if n not in ((0, T) if name in ("behaviour_logprobs", "advantages") else (T,)):
+                raise ValueError(f"Datum.{name} has length {n}, expected {T}")

@@ -68,6 +68,11 @@ class ArithmeticEnv(Env):
         self._answer = str(a + b)
         return prompt_messages(self.question.format(a=a, b=b))
 
+    @staticmethod
+    def sft_examples(n: int, seed: int = 0, **env_kwargs: Any) -> list[tuple[list[Message], str]]:
+        """Supervised warm-start pairs from the training split (see `sft_examples`)."""
+        return sft_examples(n, seed, **env_kwargs)
+
     def step(self, action: str) -> StepResult:
         if self._answer is None:
             raise RuntimeError("step() called before reset()")

@@ -1,0 +1,58 @@
+"""Algorithms by name: a loss plus the advantage estimator it is used with.
+
+Adding an algorithm is a pure function and one `register_algorithm` call; no agent, env or
+runtime code changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinker_pipelines.algorithms.advantages import ADVANTAGES
+from tinker_pipelines.algorithms.losses import (
+    LossFn,
+    grpo_loss,
+    importance_sampling_loss,
+    ppo_loss,
+    sft_loss,
+)
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """A training objective."""
+
+    name: str
+    """The name configs use."""
+    loss: LossFn
+    """The loss function."""
+    advantages: str | None
+    """Name of the advantage estimator (see `ADVANTAGES`); None for supervised losses."""
+    min_group_size: int = 1
+    """Smallest group size the estimator is defined for."""
+
+
+ALGORITHMS: dict[str, Algorithm] = {}
+
+
+def register_algorithm(algorithm: Algorithm) -> Algorithm:
+    """Make `algorithm` available by name; returns it."""
+    if algorithm.advantages is not None and algorithm.advantages not in ADVANTAGES:
+        raise ValueError(f"unknown advantage estimator {algorithm.advantages!r}")
+    ALGORITHMS[algorithm.name] = algorithm
+    return algorithm
+
+
+def get_algorithm(name: str) -> Algorithm:
+    """The registered algorithm `name`; `ValueError` naming `algorithm.name` otherwise."""
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(f"algorithm.name {name!r} is unknown; registered: {', '.join(sorted(ALGORITHMS))}") from None
+
+
+register_algorithm(Algorithm("sft", sft_loss, None))
+register_algorithm(Algorithm("importance_sampling", importance_sampling_loss, "group_centered", 2))
+register_algorithm(Algorithm("ppo", ppo_loss, "group_centered", 2))
+register_algorithm(Algorithm("grpo", grpo_loss, "group_normalized", 2))
+register_algorithm(Algorithm("rloo", importance_sampling_loss, "leave_one_out", 2))

@@ -1,0 +1,213 @@
+"""The experiment config: one YAML file, validated before any model loads.
+
+Every error names the field, e.g. `training.learning_rate must be positive, got -1`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tinker_pipelines.algorithms.registry import get_algorithm
+from tinker_pipelines.envs.base import EnvSpec
+from tinker_pipelines.models import check_model_name
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown or out of range; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which base model to train."""
+
+    name: str = "tiny"
+    """'tiny', 'smollm2-135m-instruct' or a local Hugging Face model directory."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra arguments for the builder (for 'tiny': hidden_size, num_layers)."""
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """Which environment to act in."""
+
+    path: str = "arithmetic"
+    """Built-in name or 'package.module:ClassName' of an `Env` subclass."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Constructor arguments for training episodes."""
+    eval_kwargs: dict[str, Any] = field(default_factory=lambda: {"split": "test"})
+    """Overrides of `kwargs` for evaluation episodes (held-out tasks)."""
+
+    def spec(self, evaluation: bool = False) -> EnvSpec:
+        return EnvSpec(self.path, {**self.kwargs, **self.eval_kwargs} if evaluation else dict(self.kwargs))
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """The RL objective."""
+
+    name: str = "grpo"
+    """A registered algorithm: grpo, ppo, importance_sampling, rloo, ..."""
+    clip_eps: float = 0.2
+    """Ratio clip for ppo/grpo."""
+    kl_coef: float = 0.0
+    """KL penalty weight to the reference policy (0: no reference is computed)."""
+    kl_estimator: str = "k3"
+    """'k1' or 'k3'."""
+    normalization: str = "sequence"
+    """'sequence' (GRPO) or 'token' (Dr. GRPO / DAPO) loss averaging."""
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The RL loop."""
+
+    mode: str = "lora"
+    """'lora' or 'full'."""
+    iterations: int = 10
+    """RL iterations (rollout, score, one optimizer step)."""
+    learning_rate: float = 1e-4
+    """Adam learning rate."""
+    lora_rank: int = 8
+    """LoRA rank."""
+    lora_alpha: float = 16.0
+    """LoRA alpha."""
+    groups_per_batch: int = 8
+    """Distinct tasks per iteration."""
+    group_size: int = 8
+    """Episodes per task (G), for the group baseline."""
+    max_new_tokens: int = 16
+    """Tokens per policy turn."""
+    max_turns: int = 1
+    """Policy turns per episode."""
+    temperature: float = 1.0
+    """Sampling temperature during training rollouts."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    micro_batch_size: int = 64
+    """Sequences per forward pass."""
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Optional supervised warm start before RL (steps = 0 skips it)."""
+
+    steps: int = 0
+    """Optimizer steps of supervised training."""
+    batch_size: int = 32
+    """Examples per step."""
+    learning_rate: float = 1e-3
+    """Adam learning rate for SFT."""
+    examples: int = 2000
+    """Size of the generated training set."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation."""
+
+    every: int = 5
+    """Evaluate every this many iterations (and after the last)."""
+    num_tasks: int = 200
+    """Held-out tasks, decoded greedily."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole experiment."""
+
+    seed: int = 0
+    """Seeds model init, task selection and sampling; same seed, same metrics."""
+    output_dir: str = "runs/default"
+    """Where checkpoints and metrics go."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def validate(self) -> "Config":
+        """Check everything that can be checked without loading a model."""
+        t, a = self.training, self.algorithm
+        _require(t.mode in ("lora", "full"), "training.mode", "must be 'lora' or 'full'", t.mode)
+        for name in ("learning_rate",):
+            v = getattr(t, name)
+            _require(v > 0 and math.isfinite(v), f"training.{name}", "must be positive", v)
+        _require(self.sft.learning_rate > 0, "sft.learning_rate", "must be positive", self.sft.learning_rate)
+        for name in ("iterations", "groups_per_batch", "group_size", "max_new_tokens", "max_turns", "lora_rank",
+                     "micro_batch_size"):
+            _require(getattr(t, name) >= 1, f"training.{name}", "must be >= 1", getattr(t, name))
+        _require(t.temperature > 0, "training.temperature", "must be positive", t.temperature)
+        _require(self.sft.steps >= 0, "sft.steps", "must be >= 0", self.sft.steps)
+        _require(self.eval.every >= 1, "eval.every", "must be >= 1", self.eval.every)
+        _require(self.eval.num_tasks >= 1, "eval.num_tasks", "must be >= 1", self.eval.num_tasks)
+        algo = get_algorithm(a.name)
+        _require(t.group_size >= algo.min_group_size, "training.group_size",
+                 f"must be >= {algo.min_group_size} for {a.name}", t.group_size)
+        _require(a.kl_estimator in ("k1", "k3"), "algorithm.kl_estimator", "must be 'k1' or 'k3'", a.kl_estimator)
+        _require(a.normalization in ("sequence", "token"), "algorithm.normalization",
+                 "must be 'sequence' or 'token'", a.normalization)
+        _require(a.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0", a.kl_coef)
+        check_model_name(self.model.name)
+        self.env.spec().resolve()
+        return self
+
+
+def _require(ok: bool, name: str, what: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{name} {what}, got {value!r}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown field {prefix}{unknown[0]}; known: {', '.join(sorted(known))}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value or {}, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    origin = typing.get_origin(hint) or hint
+    if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if origin in (int, str, bool, float):
+        if not isinstance(value, origin) or (origin is int and isinstance(value, bool)):
+            raise ConfigError(f"{name} must be {origin.__name__}, got {value!r}")
+    if origin is dict and not isinstance(value, dict):
+        raise ConfigError(f"{name} must be a mapping, got {value!r}")
+    return value
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Build and validate a `Config`; raises `ConfigError` naming the bad field."""
+    return _build(Config, data or {}, "").validate()
+
+
+def load_config(path: str | Path) -> Config:
+    """Read a YAML config file."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    return config_from_dict(yaml.safe_load(path.read_text()) or {})
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain-data form of a config (for records, MLflow params and YAML)."""
+    return dataclasses.asdict(cfg)

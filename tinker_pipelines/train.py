@@ -1,0 +1,236 @@
+"""The plain-Python training loop: optional SFT warm start, then RL iterations.
+
+`Experiment` holds the resident model, learner and sampler, and exposes each stage of an
+iteration (`rollout`, `train_step`, `evaluate`, `save`) so that a notebook, the CLI and the
+Dagster assets all run the same code and get the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from tinker_pipelines.algorithms.losses import LossConfig
+from tinker_pipelines.algorithms.registry import get_algorithm
+from tinker_pipelines.config import Config, ConfigError, config_to_dict
+from tinker_pipelines.checkpoint import seed_everything
+from tinker_pipelines.datums import rl_datums, sft_datum
+from tinker_pipelines.learner import Learner, LearnerConfig
+from tinker_pipelines.models import load_model, stop_token_ids
+from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes, run_groups
+from tinker_pipelines.rollout.sampler import Sampler
+from tinker_pipelines.types import TrajectoryGroup
+
+EVAL_SEED_OFFSET = 10_000_000
+
+
+def derived_seed(*parts: Any) -> int:
+    """A 63-bit seed from any parts, stable across processes and Python versions."""
+    return random.Random("-".join(map(str, parts))).getrandbits(63)
+
+
+@dataclass
+class RolloutStats:
+    """Summary of one iteration's rollouts."""
+
+    groups: list[TrajectoryGroup]
+    metrics: dict[str, float]
+
+
+def summarize_groups(groups: list[TrajectoryGroup]) -> dict[str, float]:
+    """Reward mean/std, success rate (from info['exact'] when present), tokens."""
+    trajs = [t for g in groups for t in g.trajectories]
+    rewards = [t.total_reward for t in trajs]
+    out = {"reward_mean": statistics.fmean(rewards),
+           "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+           "sampled_tokens": float(sum(t.num_sampled_tokens for t in trajs)),
+           "episodes": float(len(trajs))}
+    if all("exact" in t.info for t in trajs):
+        out["exact_rate"] = statistics.fmean(float(t.info["exact"]) for t in trajs)
+    return out
+
+
+class Experiment:
+    """A loaded experiment: base model, learner (LoRA or full) and a sampler over the policy."""
+
+    def __init__(self, cfg: Config, model=None, tokenizer=None):
+        self.cfg = cfg.validate()
+        self.algorithm = get_algorithm(cfg.algorithm.name)
+        self.env_spec, self.eval_spec = cfg.env.spec(), cfg.env.spec(evaluation=True)
+        if cfg.sft.steps and not hasattr(self.env_spec.resolve(), "sft_examples"):
+            raise ConfigError(f"sft.steps is {cfg.sft.steps} but env {cfg.env.path!r} has no sft_examples()")
+        seed_everything(cfg.seed)
+        if model is None:
+            model, tokenizer = load_model(cfg.model.name, seed=cfg.seed, **cfg.model.kwargs)
+        self.base_model, self.tokenizer = model, tokenizer
+        self.learner: Learner | None = None
+        self.iteration = 0
+        self.loss_cfg = LossConfig(cfg.algorithm.clip_eps, cfg.algorithm.kl_coef,
+                                   cfg.algorithm.kl_estimator, cfg.algorithm.normalization)
+        self.rollout_cfg = RolloutConfig(cfg.training.max_new_tokens, cfg.training.temperature,
+                                         cfg.training.max_turns)
+
+    # -- stages -----------------------------------------------------------------------------
+    def sft(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> list[dict[str, float]]:
+        """Full-parameter supervised warm start of the base model on the env's examples."""
+        s = self.cfg.sft
+        examples = self.env_spec.resolve().sft_examples(s.examples, seed=self.cfg.seed, **self.cfg.env.kwargs)
+        datums = [sft_datum(self.tokenizer, m, c) for m, c in examples]
+        learner = Learner(self.base_model, LearnerConfig(mode="full", learning_rate=s.learning_rate,
+                                                         micro_batch_size=self.cfg.training.micro_batch_size),
+                          self.tokenizer.pad_token_id)
+        sft_loss = get_algorithm("sft").loss
+        rng = random.Random(derived_seed(self.cfg.seed, "sft"))
+        history = []
+        for step in range(s.steps):
+            batch = rng.sample(datums, min(s.batch_size, len(datums)))
+            metrics = learner.forward_backward(batch, sft_loss)
+            metrics.update(learner.optim_step())
+            history.append(metrics)
+            if on_step:
+                on_step(step, metrics)
+        self.base_model.requires_grad_(False)
+        return history
+
+    def start_rl(self, adapter_path: str | Path | None = None) -> Learner:
+        """Build the RL learner over the (possibly warm-started) base model."""
+        t = self.cfg.training
+        lcfg = LearnerConfig(mode=t.mode, learning_rate=t.learning_rate, lora_rank=t.lora_rank,
+                             lora_alpha=t.lora_alpha, grad_clip=t.grad_clip, temperature=t.temperature,
+                             micro_batch_size=t.micro_batch_size,
+                             needs_reference=self.cfg.algorithm.kl_coef > 0)
+        self.learner = Learner(self.base_model, lcfg, self.tokenizer.pad_token_id,
+                               base_name=self.cfg.model.name, adapter_path=adapter_path)
+        return self.learner
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        return self.learner.model if self.learner is not None else self.base_model
+
+    def sampler(self) -> Sampler:
+        return Sampler(self.policy, self.tokenizer.pad_token_id, stop_token_ids(self.tokenizer))
+
+    def rollout(self, iteration: int) -> RolloutStats:
+        """Sample `groups_per_batch` tasks x `group_size` episodes for `iteration`."""
+        t = self.cfg.training
+        task_rng = random.Random(derived_seed(self.cfg.seed, "tasks", iteration))
+        seeds = [task_rng.randrange(EVAL_SEED_OFFSET) for _ in range(t.groups_per_batch)]
+        gen = torch.Generator().manual_seed(derived_seed(self.cfg.seed, "sample", iteration))
+        start = time.perf_counter()
+        groups = run_groups(self.sampler(), self.tokenizer, self.env_spec, seeds, t.group_size,
+                            self.rollout_cfg, gen)
+        metrics = summarize_groups(groups)
+        metrics["time/rollout_s"] = time.perf_counter() - start
+        return RolloutStats(groups, metrics)
+
+    def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        """Advantages, one forward/backward over all informative episodes, one optimizer step."""
+        if self.learner is None:
+            self.start_rl()
+        start = time.perf_counter()
+        datums = rl_datums(groups, self.algorithm.advantages)
+        metrics: dict[str, float] = {"informative_groups": float(len(datums) // max(1, self.cfg.training.group_size))}
+        if datums:
+            metrics.update(self.learner.forward_backward(datums, self.algorithm.loss, self.loss_cfg))
+            metrics.update(self.learner.optim_step())
+        else:  # every group had uniform rewards: no gradient, but the iteration still counts
+            self.learner.steps += 1
+        metrics["time/train_s"] = time.perf_counter() - start
+        return metrics
+
+    def evaluate(self, num_tasks: int | None = None) -> dict[str, float]:
+        """Greedy decoding on held-out tasks; returns eval/* metrics."""
+        n = num_tasks or self.cfg.eval.num_tasks
+        seeds = [EVAL_SEED_OFFSET + i for i in range(n)]
+        cfg = RolloutConfig(self.rollout_cfg.max_new_tokens, 0.0, self.rollout_cfg.max_turns)
+        start = time.perf_counter()
+        trajs = run_episodes(self.sampler(), self.tokenizer, [self.eval_spec.build() for _ in seeds], seeds, cfg)
+        stats = summarize_groups([TrajectoryGroup(tuple(trajs))])
+        out = {f"eval/{k}": v for k, v in stats.items() if k in ("reward_mean", "exact_rate")}
+        out["time/eval_s"] = time.perf_counter() - start
+        return out
+
+    def run_iteration(self, iteration: int) -> dict[str, float]:
+        """Rollout, train, and evaluate when due; returns the iteration's metrics."""
+        start = time.perf_counter()
+        ro = self.rollout(iteration)
+        metrics = {"iteration": float(iteration), **ro.metrics, **self.train_step(ro.groups)}
+        if (iteration + 1) % self.cfg.eval.every == 0 or iteration + 1 == self.cfg.training.iterations:
+            metrics.update(self.evaluate())
+        self.iteration = iteration + 1
+        metrics["time/iteration_s"] = time.perf_counter() - start
+        return metrics
+
+    def save(self, path: str | Path, metrics: dict[str, float] | None = None) -> dict[str, Any]:
+        """Checkpoint the learner with the config, iteration and metrics in its record."""
+        record = {"config": config_to_dict(self.cfg), "iteration": self.iteration, "metrics": metrics or {}}
+        if self.learner is None:
+            self.start_rl()
+        return self.learner.save_state(path, record)
+
+    def resume(self, path: str | Path) -> dict[str, Any]:
+        """Load a checkpoint made by `save`; the next iteration is the one after it."""
+        if self.learner is None:
+            self.start_rl()
+        record = self.learner.load_state(path)
+        self.iteration = int(record["iteration"])
+        return record
+
+
+def deterministic_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The metrics that must repeat exactly for the same config and seed (no timings)."""
+    return {k: v for k, v in metrics.items() if not k.startswith("time/")}
+
+
+def train(cfg: Config, on_iteration: Callable[[dict[str, float]], None] | None = None,
+          on_sft_step: Callable[[int, dict[str, float]], None] | None = None,
+          resume: bool = False) -> list[dict[str, float]]:
+    """SFT warm start (if configured), then `training.iterations` RL iterations.
+
+    Writes `metrics.jsonl`, `sft/` (the warm-started model) and `checkpoints/iter_XXXXX`
+    under `output_dir`; with `resume`, continues from the latest checkpoint there.
+    """
+    out = Path(cfg.output_dir)
+    ckpt_dir = out / "checkpoints"
+    exp = Experiment(cfg)
+    latest = sorted(ckpt_dir.glob("iter_*")) if resume else []
+    if cfg.sft.steps and not latest:
+        exp.sft(on_sft_step)
+        exp.base_model.save_pretrained(out / "sft")
+        exp.tokenizer.save_pretrained(out / "sft")
+    elif cfg.sft.steps and latest:
+        from transformers import AutoModelForCausalLM
+
+        exp.base_model = AutoModelForCausalLM.from_pretrained(out / "sft").eval()
+    exp.start_rl()
+    if latest:
+        exp.resume(latest[-1])
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.jsonl").write_text("")
+        if cfg.eval.every:
+            before = {"iteration": -1.0, **exp.evaluate()}
+            _append(out / "metrics.jsonl", before)
+            if on_iteration:
+                on_iteration(before)
+    history = []
+    for it in range(exp.iteration, cfg.training.iterations):
+        metrics = exp.run_iteration(it)
+        exp.save(ckpt_dir / f"iter_{it:05d}", metrics)
+        _append(out / "metrics.jsonl", metrics)
+        history.append(metrics)
+        if on_iteration:
+            on_iteration(metrics)
+    return history
+
+
+def _append(path: Path, metrics: dict[str, float]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(metrics, sort_keys=True) + "\n")

@@ -1,0 +1,399 @@
+"""Run untrusted, model-written Python in a throwaway, resource-limited sandbox.
+
+``run_python(code)`` runs ``code`` with ``python -I -S`` (standard library only) and
+returns a :class:`SandboxResult`. Process tree: caller -> supervisor (this file run
+as a script, in a new session) -> init (PID 1 of a new PID namespace) -> program.
+
+Always: new session/process group, an environment of only PATH, HOME, TMPDIR and
+LANG, a private working directory deleted afterwards, rlimits (CPU, address space,
+file size, processes, open files, no core dumps), a wall-clock limit after which
+every process of the run is SIGKILLed, capped stdout/stderr, no_new_privs. As root,
+when the kernel allows (each reported on the result): a fresh uid/gid per run
+(``uid_dropped``), a network namespace with no interface up
+(``network_isolated``), a mount namespace + chroot of read-only system paths and a
+tmpfs working directory (``filesystem_isolated``), a PID namespace (``pid_isolated``).
+Not root: none of those; the program can read what the caller can, use the network,
+signal the caller's processes and, via setsid(), outlive the run. Root without
+``filesystem_isolated``: world-readable files (the project checkout) are readable
+and world-writable ones (/tmp) writable. Details in docs/sandbox.md.
+
+Never protected against: kernel exploits (shared kernel, no seccomp filter); side
+channels (timing, caches, host-wide /proc and /sys files); reading the bound system
+paths; denial of service within the limits (CPU, memory bandwidth, tmpfs memory up
+to ``disk_mb``, ``max_processes`` pids; RLIMIT_AS is per process, not per tree).
+Treat the program's output as written by an adversary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import math
+import os
+import resource
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+__all__ = ["SandboxResult", "run_python"]
+
+_CLONE_NEWNS, _CLONE_NEWPID, _CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
+_PR_SET_DUMPABLE, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 4, 36, 38
+
+# Above systemd's container ranges (524288-1879048191) and below 2**31, where
+# some tools treat uids as negative: nothing else should own files or processes here.
+_UID_RANGE = (1_900_000_000, 2_100_000_000)
+_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+                 "/etc/ld.so.cache", "/etc/localtime")
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
+_WORKDIR, _PROGRAM = "/sandbox", "/program.py"  # as seen from inside the chroot
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """Outcome of one :func:`run_python` call; all its processes are gone by then."""
+
+    stdout: str
+    """Program's standard output (UTF-8, bad bytes replaced), cut at ``max_output_bytes``."""
+    stderr: str
+    """Program's standard error, or the sandbox's own start-up error, cut likewise."""
+    exit_code: int | None
+    """Exit status; ``-N`` if signal N ended it; None if it timed out or never started."""
+    timed_out: bool
+    """True if the wall-clock limit expired and the run was killed."""
+    killed_signal: int | None
+    """Signal that ended the program before the wall-clock limit (SIGKILL, SIGXCPU, ...)."""
+    wall_s: float
+    """Seconds from launch until every process of the run was gone."""
+    output_truncated: bool
+    """True if stdout or stderr exceeded ``max_output_bytes`` and the rest was dropped."""
+    network_isolated: bool
+    """True if the program ran in its own network namespace with no interface up."""
+    filesystem_isolated: bool
+    """True if the program was chrooted into read-only system paths plus a private tmpfs."""
+    pid_isolated: bool
+    """True if the program ran in its own PID namespace."""
+    uid_dropped: bool
+    """True if the program ran as a fresh unprivileged uid/gid rather than the caller's."""
+    uid: int
+    """Uid the program ran as (or was meant to run as, if ``uid_dropped`` is False)."""
+    pgid: int
+    """Process group and session id of the run (the supervisor's pid)."""
+
+
+def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, stdin: str = "",
+               max_output_bytes: int = 1 << 20, max_file_mb: int = 8, disk_mb: int = 64,
+               max_processes: int = 32, python: str | None = None) -> SandboxResult:
+    """Run ``code`` as a Python program in a sandbox and return what happened.
+
+    ``timeout_s`` is wall-clock time from launch (sandbox start-up, about 0.1 s,
+    included); CPU time is capped a little above it. ``memory_mb`` is the address
+    space per process, ``max_file_mb`` the largest file it may write, ``disk_mb`` the
+    size of its tmpfs working directory (with filesystem isolation), ``max_processes``
+    the most processes its uid may have, ``python`` the interpreter (default: ours).
+    Returns once every process of the run is gone and its directory is deleted.
+    """
+    if timeout_s <= 0:
+        raise ValueError("timeout_s must be positive")
+    interpreter = os.path.realpath(python or sys.executable)
+    uid = _fresh_uid() if os.geteuid() == 0 else os.geteuid()
+    base = tempfile.mkdtemp(prefix="tinker-sandbox-")
+    try:
+        os.chmod(base, 0o711)  # a dropped uid must reach root/ but not list base/
+        root = os.path.join(base, "root")
+        os.mkdir(root, 0o755)
+        os.mkdir(root + _WORKDIR, 0o700)
+        os.chown(root + _WORKDIR, uid, uid)
+        with open(os.open(root + _PROGRAM, os.O_WRONLY | os.O_CREAT, 0o644), "w", encoding="utf-8") as f:
+            f.write(code)
+        cpu_s = math.ceil(timeout_s) + 1
+        limits = {  # (soft, hard); CPU: SIGXCPU first, SIGKILL a second later
+            "RLIMIT_CPU": (cpu_s, cpu_s + 1), "RLIMIT_AS": (memory_mb << 20,) * 2,
+            "RLIMIT_FSIZE": (max_file_mb << 20,) * 2, "RLIMIT_NPROC": (max_processes,) * 2,
+            "RLIMIT_NOFILE": (64, 64), "RLIMIT_CORE": (0, 0),
+        }
+        config = {"root": root, "python": interpreter, "uid": uid, "disk_mb": disk_mb,
+                  "binds": _bind_paths(interpreter), "rlimits": limits}
+        return _supervise(config, stdin, timeout_s, max_output_bytes)
+    finally:
+        _remove_tree(base)
+
+
+def _fresh_uid() -> int:
+    """Draw a uid no running process uses, so that kill(-1) from it hits only this run."""
+    in_use: set[int] = set()
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError):  # not a pid, or exited meanwhile
+            with open(f"/proc/{entry}/status") as f:
+                for line in f:
+                    if line.startswith(("Uid:", "Gid:")):
+                        in_use.update(int(x) for x in line.split()[1:])
+    while (uid := _UID_RANGE[0] + secrets.randbelow(_UID_RANGE[1] - _UID_RANGE[0])) in in_use:
+        pass
+    return uid
+
+
+def _bind_paths(interpreter: str) -> list[str]:
+    """Paths to show read-only in the chroot: system libraries plus the interpreter's prefix."""
+    paths = [p for p in _SYSTEM_PATHS if os.path.lexists(p)]
+    prefix = os.path.dirname(os.path.dirname(interpreter))
+    covered = [p for p in paths if not os.path.islink(p)] + ["/"]  # never bind all of /
+    if not any(prefix == p or prefix.startswith(p + "/") for p in covered):
+        paths.append(prefix)
+    return paths + [d for d in _DEVICES if os.path.exists(d)]
+
+
+def _supervise(config: dict[str, Any], stdin: str, timeout_s: float, cap: int) -> SandboxResult:
+    """Start the supervisor; collect output and status until the program ends or time is up."""
+    status_r, status_w = os.pipe()
+    config["status_fd"] = status_w
+    with open(status_r, "rb"), tempfile.TemporaryFile() as stdin_file:
+        stdin_file.write(stdin.encode())
+        stdin_file.seek(0)
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                [os.path.realpath(sys.executable), "-I", "-S", os.path.abspath(__file__),
+                 json.dumps(config)],
+                stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={},
+                pass_fds=(status_w,), start_new_session=True, cwd=os.path.dirname(config["root"]))
+        finally:
+            os.close(status_w)  # else we would never see EOF on the status pipe
+        assert proc.stdout is not None and proc.stderr is not None
+        stdout, stderr = proc.stdout.fileno(), proc.stderr.fileno()
+        buffers = {stdout: bytearray(), stderr: bytearray(), status_r: bytearray()}
+        status: dict[str, Any] = {}
+        truncated = False
+
+        def pump(sel: selectors.BaseSelector, until: float) -> None:
+            """Read whatever arrives before ``until``."""
+            nonlocal truncated
+            for key, _ in sel.select(max(until - time.monotonic(), 0)):
+                data = os.read(key.fd, 65536)
+                if not data:
+                    sel.unregister(key.fd)
+                elif key.fd == status_r:
+                    *lines, buffers[status_r] = (buffers[status_r] + data).split(b"\n")
+                    for line in lines:
+                        status.update(json.loads(line))
+                else:  # past the cap, keep reading: a full pipe must not stall the program
+                    room = max(cap - len(buffers[key.fd]), 0)
+                    truncated |= len(data) > room
+                    buffers[key.fd] += data[:room]
+
+        with selectors.DefaultSelector() as sel, proc.stdout, proc.stderr:
+            for fd in buffers:
+                sel.register(fd, selectors.EVENT_READ)
+            deadline = start + timeout_s
+            while "wait_status" not in status and status_r in sel.get_map() and (
+                    time.monotonic() < deadline):
+                pump(sel, deadline)
+            timed_out = "wait_status" not in status and status_r in sel.get_map()
+            _shut_down(proc, finished=not timed_out, sweep=bool(status.get("uid_dropped")))
+            drain_until = time.monotonic() + 1.0  # all dead by now: only buffered output left
+            while sel.get_map() and time.monotonic() < drain_until:
+                pump(sel, drain_until)
+    done = not timed_out and "wait_status" in status
+    exit_code = os.waitstatus_to_exitcode(status["wait_status"]) if done else None
+    return SandboxResult(
+        stdout=buffers[stdout].decode("utf-8", "replace"),
+        stderr=buffers[stderr].decode("utf-8", "replace"),
+        exit_code=exit_code, timed_out=timed_out,
+        killed_signal=-exit_code if exit_code is not None and exit_code < 0 else None,
+        wall_s=time.monotonic() - start, output_truncated=truncated,
+        network_isolated=bool(status.get("net")), filesystem_isolated=bool(status.get("fs")),
+        pid_isolated=bool(status.get("pidns")), uid_dropped=bool(status.get("uid_dropped")),
+        uid=config["uid"], pgid=proc.pid,
+    )
+
+
+def _shut_down(proc: subprocess.Popen[bytes], *, finished: bool, sweep: bool) -> None:
+    """Kill whatever is left of the run and reap the supervisor."""
+    if sweep:
+        if not finished:
+            proc.send_signal(signal.SIGTERM)  # the supervisor kills init and sweeps the uid
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=1.0)  # it reaps every orphan: no zombies left behind
+    # Backstop; without a private uid, the group is all we can reach (and orphans of the
+    # killed supervisor go to the system's init).
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _remove_tree(path: str) -> None:
+    """Delete the run's directory, even parts the program made unreadable."""
+    if os.geteuid() != 0:  # root ignores modes; anyone else must restore them first
+        for dirpath, dirnames, _ in os.walk(path):
+            for name in dirnames:
+                if not os.path.islink(full := os.path.join(dirpath, name)):
+                    os.chmod(full, 0o700)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# --- Everything below runs in the supervisor process: python -I -S sandbox.py CONFIG ---
+
+
+def _report(fd: int, **fields: Any) -> None:
+    # One short write per line: atomic on a pipe, so forked writers never interleave.
+    os.write(fd, (json.dumps(fields) + "\n").encode())
+
+
+def _supervisor_main(config: dict[str, Any]) -> NoReturn:
+    """Enter namespaces, fork init, then reap every descendant until none is left."""
+    fd, uid = config["status_fd"], config["uid"]
+    os.set_inheritable(fd, False)  # the program must never hold the status pipe
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4  # variadic: pass full words
+    libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+    # Not dumpable: a same-uid program cannot open our fds via /proc or ptrace us.
+    libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    # Subreaper: orphans are reparented to us, so we reap them and leave no zombies.
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    net = libc.unshare(_CLONE_NEWNET) == 0
+    mnt = libc.unshare(_CLONE_NEWNS) == 0
+    pidns = libc.unshare(_CLONE_NEWPID) == 0  # applies to children from here on
+    init_pid = os.fork()
+    if init_pid == 0:
+        _init_main(config, libc, mnt, pidns)
+    init_alive = True
+
+    def stop(_signum: int, _frame: object) -> None:
+        if init_alive:  # killing it tears down the PID namespace, if any
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(init_pid, signal.SIGKILL)
+        _sweep_uid(uid)
+
+    signal.signal(signal.SIGTERM, stop)
+    _report(fd, net=net, pidns=pidns)
+    while True:
+        try:
+            pid, _ = os.wait()
+        except ChildProcessError:
+            os._exit(0)
+        if pid == init_pid:
+            init_alive = False
+            _sweep_uid(uid)  # the program is done: its background processes go too
+
+
+def _sweep_uid(uid: int) -> None:
+    """SIGKILL every process of ``uid``: kill(-1) holds the task list lock, so forks can't race it."""
+    if os.geteuid() != 0:
+        return
+    try:
+        pid = os.fork()
+    except OSError:  # inside a dead PID namespace: everything there is already gone
+        return
+    if pid == 0:
+        if _become(uid):  # never kill(-1) as root
+            os.kill(-1, signal.SIGKILL)
+        os._exit(0)
+
+
+def _become(uid: int) -> bool:
+    """Switch to ``uid`` (and gid ``uid``, no supplementary groups); False if not allowed."""
+    try:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    except PermissionError:
+        return False
+    return os.getuid() == uid != 0
+
+
+def _init_main(config: dict[str, Any], libc: ctypes.CDLL, mnt: bool, pidns: bool) -> NoReturn:
+    """Build the filesystem view, start the program, report how it ended."""
+    try:
+        fs = mnt and _build_root(config, libc, pidns)
+    except OSError:
+        fs = False  # a half-built root stays unused; its mounts die with our namespace
+    program_pid = os.fork()
+    if program_pid == 0:
+        _exec_program(config, libc, fs)
+    while True:
+        pid, wait_status = os.wait()  # as PID 1 we also reap the program's orphans
+        if pid == program_pid:
+            _report(config["status_fd"], wait_status=wait_status)
+            os._exit(0)
+
+
+def _mount(libc: ctypes.CDLL, src: str | None, target: str, fstype: str | None,
+           flags: int, data: str | None = None) -> None:
+    args = [None if a is None else a.encode() for a in (src, target, fstype, data)]
+    if libc.mount(*args[:3], flags, args[3]) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {target}: {os.strerror(err)}")
+
+
+def _build_root(config: dict[str, Any], libc: ctypes.CDLL, pidns: bool) -> bool:
+    """Assemble the chroot under config["root"]; mounts live only in our mount namespace."""
+    root, uid = config["root"], config["uid"]
+    # Must come first: with shared propagation the binds below would show up on the host.
+    _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
+    # Parent dirs we create (e.g. /root for /root/.pyenv/...) are traversable, not listable.
+    old_umask = os.umask(0o066)
+    try:
+        for path in config["binds"]:
+            target = root + path
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            if os.path.islink(path):  # e.g. /lib -> usr/lib on merged-/usr systems
+                os.symlink(os.readlink(path), target)
+                continue
+            if os.path.isdir(path):
+                os.makedirs(target, exist_ok=True)
+            else:
+                open(target, "a").close()
+            _mount(libc, path, target, None, _MS_BIND | _MS_REC)
+            if not path.startswith("/dev/"):
+                _mount(libc, None, target, None,
+                       _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+    finally:
+        os.umask(old_umask)
+    _mount(libc, "tmpfs", root + _WORKDIR, "tmpfs", _MS_NOSUID | _MS_NODEV,
+           f"size={config['disk_mb']}m,mode=700,uid={uid},gid={uid}")
+    if pidns:  # a fresh /proc shows only this namespace; the host's would show everything
+        os.makedirs(root + "/proc", exist_ok=True)
+        _mount(libc, "proc", root + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    return True
+
+
+def _exec_program(config: dict[str, Any], libc: ctypes.CDLL, fs: bool) -> NoReturn:
+    """Apply limits and drop privileges, then exec the interpreter on the program."""
+    try:
+        root, uid = config["root"], config["uid"]
+        if fs:
+            os.chroot(root)
+            workdir, program = _WORKDIR, _PROGRAM
+        else:
+            workdir, program = root + _WORKDIR, root + _PROGRAM
+        for name, wanted in config["rlimits"].items():
+            ceiling = resource.getrlimit(limit := getattr(resource, name))[1]
+            if ceiling != resource.RLIM_INFINITY:  # only root may raise a hard limit
+                wanted = [min(value, ceiling) for value in wanted]
+            resource.setrlimit(limit, wanted)
+        # Without CAP_SETUID this fails and the program runs as we are; the result says so.
+        dropped = uid != os.geteuid() and _become(uid)
+        libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        os.chdir(workdir)
+        _report(config["status_fd"], fs=fs, uid_dropped=dropped)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
+               "LANG": "C.UTF-8"}
+        os.execve(config["python"], [config["python"], "-I", "-S", program], env)
+    except BaseException as exc:  # noqa: BLE001 - any failure here must not run the program
+        os.write(2, f"sandbox: could not run {config['python']} as uid {os.getuid()}: {exc!r}\n"
+                 .encode())
+    os._exit(126)
+
+
+if __name__ == "__main__":
+    _supervisor_main(json.loads(sys.argv[1]))

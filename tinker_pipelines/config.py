@@ -106,6 +106,8 @@ class SFTConfig:
     """Adam learning rate for SFT."""
     examples: int = 2000
     """Size of the generated training set."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra arguments for the env's `sft_examples` (e.g. verbose_fraction for arithmetic)."""
 
 
 @dataclass(frozen=True)

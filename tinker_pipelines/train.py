@@ -52,8 +52,9 @@ def summarize_groups(groups: list[TrajectoryGroup]) -> dict[str, float]:
            "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
            "sampled_tokens": float(sum(t.num_sampled_tokens for t in trajs)),
            "episodes": float(len(trajs))}
-    if all("exact" in t.info for t in trajs):
-        out["exact_rate"] = statistics.fmean(float(t.info["exact"]) for t in trajs)
+    for key in ("exact", "contains"):
+        if all(key in t.info for t in trajs):
+            out[f"{key}_rate"] = statistics.fmean(float(t.info[key]) for t in trajs)
     return out
 
 
@@ -81,7 +82,8 @@ class Experiment:
     def sft(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> list[dict[str, float]]:
         """Full-parameter supervised warm start of the base model on the env's examples."""
         s = self.cfg.sft
-        examples = self.env_spec.resolve().sft_examples(s.examples, seed=self.cfg.seed, **self.cfg.env.kwargs)
+        make = self.env_spec.resolve().sft_examples
+        examples = make(s.examples, seed=self.cfg.seed, **{**self.cfg.env.kwargs, **s.kwargs})
         datums = [sft_datum(self.tokenizer, m, c) for m, c in examples]
         learner = Learner(self.base_model, LearnerConfig(mode="full", learning_rate=s.learning_rate,
                                                          micro_batch_size=self.cfg.training.micro_batch_size),
@@ -153,7 +155,7 @@ class Experiment:
         start = time.perf_counter()
         trajs = run_episodes(self.sampler(), self.tokenizer, [self.eval_spec.build() for _ in seeds], seeds, cfg)
         stats = summarize_groups([TrajectoryGroup(tuple(trajs))])
-        out = {f"eval/{k}": v for k, v in stats.items() if k in ("reward_mean", "exact_rate")}
+        out = {f"eval/{k}": v for k, v in stats.items() if k in ("reward_mean", "exact_rate", "contains_rate")}
         out["time/eval_s"] = time.perf_counter() - start
         return out
 

@@ -69,16 +69,18 @@ class ArithmeticEnv(Env):
         return prompt_messages(self.question.format(a=a, b=b))
 
     @staticmethod
-    def sft_examples(n: int, seed: int = 0, **env_kwargs: Any) -> list[tuple[list[Message], str]]:
+    def sft_examples(n: int, seed: int = 0, verbose_fraction: float = 0.0,
+                     **env_kwargs: Any) -> list[tuple[list[Message], str]]:
         """Supervised warm-start pairs from the training split (see `sft_examples`)."""
-        return sft_examples(n, seed, **env_kwargs)
+        return sft_examples(n, seed, verbose_fraction, **env_kwargs)
 
     def step(self, action: str) -> StepResult:
         if self._answer is None:
             raise RuntimeError("step() called before reset()")
         exact = exact_answer([action], answer=[self._answer])[0]
-        reward = exact or self.partial_credit * contains_answer([action], answer=[self._answer])[0]
-        return StepResult([], reward, True, {"answer": self._answer, "exact": exact})
+        contains = contains_answer([action], answer=[self._answer])[0]
+        reward = exact or self.partial_credit * contains
+        return StepResult([], reward, True, {"answer": self._answer, "exact": exact, "contains": contains})
 
 
 def prompt_messages(question: str) -> list[Message]:
@@ -86,12 +88,24 @@ def prompt_messages(question: str) -> list[Message]:
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
 
 
-def sft_examples(n: int, seed: int = 0, **env_kwargs: Any) -> list[tuple[list[Message], str]]:
-    """`n` (messages, ideal reply) pairs from the training split, for an SFT warm start."""
+VERBOSE_REPLIES = ("The answer is {}.", "{} is the answer.", "It is {}.")
+"""Chatty phrasings, as instruct models answer when asked for a bare number."""
+
+
+def sft_examples(n: int, seed: int = 0, verbose_fraction: float = 0.0,
+                 **env_kwargs: Any) -> list[tuple[list[Message], str]]:
+    """`n` (messages, reply) pairs from the training split, for an SFT warm start.
+
+    A `verbose_fraction` of the replies wrap the right number in a sentence, like demonstrations
+    scraped from a chatty model: correct content, wrong format for the exact-answer reward.
+    """
     env = ArithmeticEnv(**{**env_kwargs, "split": "train"})
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         messages = env.reset(seed=rng.randrange(2**31))
-        out.append((messages, env._answer))
+        reply = env._answer
+        if rng.random() < verbose_fraction:
+            reply = rng.choice(VERBOSE_REPLIES).format(reply)
+        out.append((messages, reply))
     return out

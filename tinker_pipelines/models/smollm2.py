@@ -86,11 +86,16 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, P
     path = gguf_path()
     _check_gguf_reader()
     os.environ["HF_HUB_OFFLINE"] = "1"
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     _fix_tokenizer(tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    # dequantize=True: a plain dense model (trainable, `save_pretrained`-able, castable), never
+    # packed GGUF blocks, whether or not the `kernels` package is installed.
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype,
+        quantization_config=GgufConfig(dequantize=True),
+    )
     eos_id = tokenizer.convert_tokens_to_ids(END_OF_TURN)
     model.config.eos_token_id = eos_id
     model.config.pad_token_id = tokenizer.pad_token_id

@@ -1,0 +1,90 @@
+"""One RL step on SmolLM2-135M, LoRA vs full-parameter, each with the KL reference it needs.
+
+    python -m benchmarks.lora_vs_full [--model smollm2-135m-instruct] [--batch 16] [--tokens 128]
+
+LoRA's reference is the base with the adapter disabled; full-parameter training keeps a frozen
+copy. Each mode runs in its own process (so peak memory is not shared) on the same datums: a
+GRPO loss with a k3 KL penalty, one forward/backward and one Adam step, timed after a warm-up
+step. Peak memory is the process's peak resident set size. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import resource
+import time
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def _one_mode(mode: str, model_name: str, batch: int, tokens: int, steps: int, queue: mp.Queue) -> None:
+    import torch
+
+    from tinker_pipelines.algorithms import LossConfig, get_algorithm
+    from tinker_pipelines.learner import Learner, LearnerConfig
+    from tinker_pipelines.models import load_model
+    from tinker_pipelines.types import Datum
+
+    model, tok = load_model(model_name)
+    after_load = _rss_mb()
+    gen = torch.Generator().manual_seed(0)
+    prompt = tokens // 2
+    datums = []
+    for i in range(batch):
+        ids = torch.randint(0, len(tok), (tokens + 1,), generator=gen).tolist()
+        w = [0.0] * (prompt - 1) + [1.0] * (tokens - prompt + 1)
+        datums.append(Datum(tuple(ids[:-1]), tuple(ids[1:]), tuple(w), tuple(-2.0 * x for x in w),
+                            tuple((1.0 if i % 2 else -1.0) * x for x in w)))
+    learner = Learner(model, LearnerConfig(mode=mode, learning_rate=1e-5, micro_batch_size=batch,
+                                           needs_reference=True), tok.pad_token_id)
+    loss_fn, loss_cfg = get_algorithm("grpo").loss, LossConfig(kl_coef=0.05)
+    times = []
+    for _ in range(steps + 1):  # the first step allocates optimizer state: a warm-up
+        start = time.perf_counter()
+        learner.forward_backward(datums, loss_fn, loss_cfg)
+        learner.optim_step()
+        times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    trainable = sum(p.numel() for p in learner.params)
+    queue.put({"mode": mode, "peak_mb": peak, "after_load_mb": after_load, "step_s": min(times[1:]),
+               "trainable": trainable})
+
+
+def measure(mode: str, model: str, batch: int, tokens: int, steps: int) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_one_mode, args=(mode, model, batch, tokens, steps, queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    lora = measure("lora", args.model, args.batch, args.tokens, args.steps)
+    full = measure("full", args.model, args.batch, args.tokens, args.steps)
+    print(f"{args.model}, one GRPO+KL step, batch {args.batch} x {args.tokens} tokens")
+    print(f"{'mode':<6}{'trainable':>14}{'peak MB':>10}{'step s':>9}")
+    for r in (lora, full):
+        print(f"{r['mode']:<6}{r['trainable']:>14,}{r['peak_mb']:>10.0f}{r['step_s']:>9.2f}")
+    memory_ratio, time_ratio = lora["peak_mb"] / full["peak_mb"], lora["step_s"] / full["step_s"]
+    print(f"LoRA / full: memory {memory_ratio:.2f}x (goal <= 0.6), time {time_ratio:.2f}x (goal <= 0.7)")
+    print(json.dumps({"memory_ratio": round(memory_ratio, 3), "time_ratio": round(time_ratio, 3),
+                      "lora_peak_mb": round(lora["peak_mb"]), "full_peak_mb": round(full["peak_mb"]),
+                      "lora_step_s": round(lora["step_s"], 3), "full_step_s": round(full["step_s"], 3),
+                      "model": args.model, "batch": args.batch, "tokens": args.tokens}))
+
+
+if __name__ == "__main__":
+    main()

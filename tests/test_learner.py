@@ -169,3 +169,25 @@ def test_corrupt_checkpoint_is_refused(tiny, tmp_path):
     f.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="corrupt"):
         learner.load_state(tmp_path / "ck")
+
+
+def test_two_adapters_share_one_base(tiny, tmp_path):
+    model, tok = tiny
+    pristine = copy.deepcopy(model)
+    cfg = LearnerConfig(mode="lora", learning_rate=5e-2, needs_reference=True)
+    a = Learner(model, cfg, tok.pad_token_id, adapter_name="agent_a")
+    b = Learner(a.model, cfg, tok.pad_token_id, adapter_name="agent_b")
+    assert a.model is b.model and not set(map(id, a.params)) & set(map(id, b.params))
+    datums = _informative_datums(a.model, tok)
+    b_before = [p.detach().clone() for p in b.params]
+    for _ in range(2):
+        a.forward_backward(datums, GRPO.loss)
+        a.optim_step()
+    assert all(torch.equal(x, y) for x, y in zip(b_before, b.params))  # training A leaves B alone
+    assert a.compute_logprobs(datums) != b.compute_logprobs(datums)
+    a.save_state(tmp_path / "a")
+    loaded = PeftModel.from_pretrained(pristine, str(tmp_path / "a")).eval()
+    x = torch.tensor([[1, 5, 9, 12]])
+    a.activate()
+    with torch.no_grad():
+        assert torch.allclose(loaded(x).logits, a.model(x).logits, atol=1e-6)

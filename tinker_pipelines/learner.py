@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
 from tinker_pipelines import checkpoint as ckpt
@@ -93,30 +94,52 @@ class Learner:
     """Trains one policy; `model` is what the sampler should use (the adapter applied)."""
 
     def __init__(self, base_model: PreTrainedModel, cfg: LearnerConfig, pad_token_id: int,
-                 base_name: str = "", adapter_path: str | Path | None = None):
+                 base_name: str = "", adapter_path: str | Path | None = None, adapter_name: str = "default"):
+        """`base_model` may already be a `PeftModel`: the learner then adds its own adapter
+        `adapter_name` to it, so several policies (e.g. two agents) share one resident base."""
         self.cfg, self.pad_token_id, self.base_name = cfg, pad_token_id, base_name
+        self.adapter_name = adapter_name
         self.reference: PreTrainedModel | None = None
         if cfg.mode == "lora":
-            if adapter_path is not None:
-                self.model = PeftModel.from_pretrained(base_model, str(adapter_path), is_trainable=True)
-            else:
+            lora = None
+            if adapter_path is None:
                 targets = [t for t in cfg.lora_targets if any(n.endswith(t) for n, _ in base_model.named_modules())]
                 if not targets:
                     raise ValueError(f"training.lora_targets {list(cfg.lora_targets)} match no module of the model")
                 lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets,
                                   lora_dropout=0.0, task_type="CAUSAL_LM")
-                self.model = get_peft_model(base_model, lora)
+            if isinstance(base_model, PeftModel):
+                self.model = base_model
+                if adapter_path is not None:
+                    self.model.load_adapter(str(adapter_path), adapter_name=adapter_name, is_trainable=True)
+                else:
+                    self.model.add_adapter(adapter_name, lora)
+            elif adapter_path is not None:
+                self.model = PeftModel.from_pretrained(base_model, str(adapter_path), adapter_name=adapter_name,
+                                                       is_trainable=True)
+            else:
+                self.model = get_peft_model(base_model, lora, adapter_name=adapter_name)
+            self.activate()
+            marker = f".{adapter_name}."
+            self.params = [p for n, p in self.model.named_parameters() if "lora_" in n and marker in n]
+            for p in self.params:
+                p.requires_grad_(True)
         else:
             self.model = base_model
             for p in self.model.parameters():
                 p.requires_grad_(True)
             if cfg.needs_reference:
                 self.reference = copy.deepcopy(base_model).eval().requires_grad_(False)
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.model.eval()  # no dropout: sampling and training see the same function
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
         self.steps = 0
+
+    def activate(self) -> None:
+        """Make this learner's adapter the one the shared model applies (LoRA only)."""
+        if self.cfg.mode == "lora" and self.model.active_adapter != self.adapter_name:
+            self.model.set_adapter(self.adapter_name)
 
     def _logprobs(self, model: torch.nn.Module, padded: _Padded) -> torch.Tensor:
         logits_BTV = model(input_ids=padded.inputs_BT, attention_mask=padded.mask_BT).logits
@@ -127,6 +150,7 @@ class Learner:
     def reference_logprobs(self, padded: _Padded) -> torch.Tensor:
         """Logprobs of the targets under the reference policy."""
         if self.cfg.mode == "lora":
+            self.activate()
             with self.model.disable_adapter():
                 return self._logprobs(self.model, padded)
         if self.reference is None:
@@ -136,6 +160,7 @@ class Learner:
     @torch.no_grad()
     def compute_logprobs(self, datums: list[Datum]) -> list[list[float]]:
         """Current policy's logprob of every target token, per datum."""
+        self.activate()
         padded = pad_datums(datums, self.pad_token_id)
         lp_BT = self._logprobs(self.model, padded)
         return [lp_BT[i, : len(d.input_tokens)].tolist() for i, d in enumerate(datums)]
@@ -145,6 +170,7 @@ class Learner:
         """Accumulate the gradient of `loss_fn` over `datums`; returns averaged metrics."""
         if not datums:
             raise ValueError("forward_backward needs at least one datum")
+        self.activate()
         total_w = sum(sum(d.weights) for d in datums)
         totals: dict[str, float] = {}
         mb = self.cfg.micro_batch_size
@@ -182,7 +208,14 @@ class Learner:
                    extra_rng: dict[str, Any] | None = None) -> dict[str, Any]:
         """Write a checkpoint atomically; returns its record (with the content hash)."""
         with ckpt.atomic_directory(path) as tmp:
-            self.model.save_pretrained(str(tmp))
+            if self.cfg.mode == "lora":
+                # Saved as the default adapter so `PeftModel.from_pretrained(base, path)` loads it.
+                self.activate()
+                state = get_peft_model_state_dict(self.model, adapter_name=self.adapter_name)
+                save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"))
+                self.model.peft_config[self.adapter_name].save_pretrained(str(tmp))
+            else:
+                self.model.save_pretrained(str(tmp))
             torch.save({"optimizer": self.optimizer.state_dict(), "steps": self.steps}, tmp / "optimizer.pt")
             torch.save({**ckpt.rng_state(), **(extra_rng or {})}, tmp / "rng.pt")
             full = {"mode": self.cfg.mode, "base_model": self.base_name, "learner": asdict(self.cfg),
@@ -201,7 +234,8 @@ class Learner:
         if self.cfg.mode == "lora":
             from peft import set_peft_model_state_dict
 
-            set_peft_model_state_dict(self.model, load_file(str(path / "adapter_model.safetensors")))
+            set_peft_model_state_dict(self.model, load_file(str(path / "adapter_model.safetensors")),
+                                      adapter_name=self.adapter_name)
         else:
             state = {}
             for f in sorted(path.glob("model*.safetensors")):

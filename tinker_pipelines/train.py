@@ -139,11 +139,9 @@ class Experiment:
         start = time.perf_counter()
         datums = rl_datums(groups, self.algorithm.advantages)
         metrics: dict[str, float] = {"informative_groups": float(len(datums) // max(1, self.cfg.training.group_size))}
-        if datums:
+        if datums:  # when every group's rewards are uniform there is no gradient: skip the step
             metrics.update(self.learner.forward_backward(datums, self.algorithm.loss, self.loss_cfg))
             metrics.update(self.learner.optim_step())
-        else:  # every group had uniform rewards: no gradient, but the iteration still counts
-            self.learner.steps += 1
         metrics["time/train_s"] = time.perf_counter() - start
         return metrics
 

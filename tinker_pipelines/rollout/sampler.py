@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from tinker_pipelines.rollout.lean_llama import LeanLlamaDecoder
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -33,28 +35,69 @@ def sample_tokens(logits_BV: torch.Tensor, temperature: float,
                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row; return (tokens_B, logprobs_B). temperature 0 is greedy.
 
-    Greedy logprobs are reported at temperature 1.
+    Greedy logprobs are reported at temperature 1. Sampling inverts the CDF with one uniform per
+    row (cumsum + searchsorted), ~10x cheaper on CPU than `torch.multinomial` at vocab 8k+.
     """
+    logits_BV = logits_BV.float()
     if temperature == 0:
-        logprobs_BV = torch.log_softmax(logits_BV.float(), dim=-1)
+        logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
         tokens_B = logprobs_BV.argmax(dim=-1)
     else:
-        logprobs_BV = torch.log_softmax(logits_BV.float() / temperature, dim=-1)
+        logprobs_BV = torch.log_softmax(logits_BV if temperature == 1 else logits_BV / temperature, dim=-1)
         cdf_BV = logprobs_BV.exp().cumsum(dim=-1)
         u_B1 = torch.rand(logits_BV.shape[0], 1, generator=generator) * cdf_BV[:, -1:]
         tokens_B = torch.searchsorted(cdf_BV, u_B1).squeeze(1).clamp_(max=logits_BV.shape[1] - 1)
     return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
 
 
+class _HFDecoder:
+    """Decode steps through the model's own forward and a `DynamicCache` (any causal LM)."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+
+    def prefill(self, input_BL: torch.Tensor, mask_BL: torch.Tensor, positions_BL: torch.Tensor,
+                max_new_tokens: int) -> torch.Tensor:
+        self.cache = DynamicCache()
+        out = self.model(input_ids=input_BL, attention_mask=mask_BL, position_ids=positions_BL,
+                         cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.mask_BS = torch.cat([mask_BL, mask_BL.new_ones(mask_BL.shape[0], max_new_tokens)], dim=1)
+        self.next_pos_B = positions_BL[:, -1] + 1
+        self.L = input_BL.shape[1]
+        return out.logits[:, -1]
+
+    def select(self, keep_idx: torch.Tensor) -> None:
+        self.cache.batch_select_indices(keep_idx)
+        self.mask_BS = self.mask_BS.index_select(0, keep_idx)
+        self.next_pos_B = self.next_pos_B.index_select(0, keep_idx)
+
+    def step(self, tok_B: torch.Tensor, t: int) -> torch.Tensor:
+        out = self.model(input_ids=tok_B[:, None], attention_mask=self.mask_BS[:, : self.L + t + 1],
+                         position_ids=(self.next_pos_B + t)[:, None], cache=self.cache, use_cache=True)
+        return out.logits[:, -1]
+
+
 class Sampler:
-    """Generates completions for a batch of token prompts with one model."""
+    """Generates completions for a batch of token prompts with one model.
+
+    Llama-style models (also inside a PEFT LoRA wrapper) decode through `LeanLlamaDecoder`: a
+    static KV cache and a lean per-token step that skips transformers' per-step overhead; other
+    models go through their own forward with a `DynamicCache`. Both give the same tokens.
+    """
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int, stop_token_ids: list[int],
-                 max_context: int | None = None):
+                 max_context: int | None = None, lean: bool = True):
         self.model = model
         self.pad_token_id = pad_token_id
         self.stop_token_ids = list(stop_token_ids)
         self.max_context = max_context or getattr(model.config, "max_position_embeddings", None)
+        self.lean = lean
+        """Use the lean decode step where the model supports it (set False to compare)."""
+
+    def _decoder(self):
+        if self.lean and LeanLlamaDecoder.supports(self.model):
+            return LeanLlamaDecoder(self.model)
+        return _HFDecoder(self.model)
 
     @torch.inference_mode()
     def sample(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
@@ -64,9 +107,11 @@ class Sampler:
             return []
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        longest = max(len(p) for p in prompts)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
+        longest = max(len(p) for p in prompts)
         if self.max_context is not None and longest + max_new_tokens > self.max_context:
             raise ContextOverflowError(
                 f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the "
@@ -81,40 +126,55 @@ class Sampler:
             mask_BL[i, longest - len(p):] = 1
         input_BL, mask_BL = input_BL.to(device), mask_BL.to(device)
         positions_BL = (mask_BL.cumsum(-1) - 1).clamp_(min=0)
-        stop_S = torch.tensor(self.stop_token_ids, device=device)
 
-        cache = DynamicCache()
-        out = self.model(input_ids=input_BL, attention_mask=mask_BL, position_ids=positions_BL,
-                         cache=cache, use_cache=True, logits_to_keep=1)
-        logits_BV = out.logits[:, -1]
-        rows = torch.arange(B, device=device)  # original index of each live row
-        next_pos_B = positions_BL[:, -1] + 1
-        tokens: list[list[int]] = [[] for _ in range(B)]
-        logprobs: list[list[float]] = [[] for _ in range(B)]
-        stopped = [False] * B
-        for step in range(max_new_tokens):
+        decoder = self._decoder()
+        logits_BV = decoder.prefill(input_BL, mask_BL, positions_BL, max_new_tokens)
+        # Per-row state lives in the current batch (live rows plus finished rows not yet pruned);
+        # outputs of a row are read out when it is pruned or at the end.
+        rows = list(range(B))  # original index of each batch row
+        tok_BT = torch.empty((B, max_new_tokens), dtype=torch.long, device=device)
+        lp_BT = torch.empty((B, max_new_tokens), dtype=torch.float32, device=device)
+        live_B = torch.ones(B, dtype=torch.bool, device=device)
+        end_B = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)  # tokens kept per row
+        n_live = B
+        stop_ids = self.stop_token_ids
+        results: list[Sample | None] = [None] * B
+
+        def read_out(idx: list[int], t_end: int) -> None:
+            toks, lps, ends = tok_BT[idx, :t_end].tolist(), lp_BT[idx, :t_end].tolist(), end_B[idx].tolist()
+            for j, i in enumerate(idx):
+                n = ends[j]
+                stopped = n < max_new_tokens or toks[j][n - 1] in stop_ids
+                results[rows[i]] = Sample(tuple(toks[j][:n]), tuple(lps[j][:n]), "stop" if stopped else "length")
+
+        for t in range(max_new_tokens):
             tok_B, lp_B = sample_tokens(logits_BV, temperature, generator)
-            for r, t, lp in zip(rows.tolist(), tok_B.tolist(), lp_B.tolist()):
-                tokens[r].append(t)
-                logprobs[r].append(lp)
-            done_B = torch.isin(tok_B, stop_S)
-            if done_B.any():
-                for r in rows[done_B].tolist():
-                    stopped[r] = True
-                keep_B = ~done_B
-                if not keep_B.any():
-                    break
-                rows, tok_B, next_pos_B, mask_BL = rows[keep_B], tok_B[keep_B], next_pos_B[keep_B], mask_BL[keep_B]
-                keep_idx = keep_B.nonzero().squeeze(1)
-                cache.batch_select_indices(keep_idx)
-            if step == max_new_tokens - 1:
+            tok_BT[:, t] = tok_B
+            lp_BT[:, t] = lp_B
+            if stop_ids:
+                hit_B = tok_B == stop_ids[0]
+                for s in stop_ids[1:]:
+                    hit_B |= tok_B == s
+                hit_B &= live_B
+                if hit_B.any():
+                    end_B.masked_fill_(hit_B, t + 1)
+                    live_B &= ~hit_B
+                    n_live = int(live_B.sum())
+                    if n_live == 0:
+                        break
+                    n_rows = live_B.shape[0]
+                    if (n_rows - n_live) * 4 >= n_rows:  # prune finished rows (copies the cache)
+                        dead = (~live_B).nonzero().squeeze(1)
+                        read_out(dead.tolist(), t + 1)
+                        keep = live_B.nonzero().squeeze(1)
+                        keep_l = keep.tolist()
+                        rows = [rows[i] for i in keep_l]
+                        tok_BT, lp_BT, end_B = tok_BT[keep], lp_BT[keep], end_B[keep]
+                        live_B = live_B[keep]
+                        tok_B = tok_BT[:, t]
+                        decoder.select(keep)
+            if t == max_new_tokens - 1:
                 break
-            mask_BL = torch.cat([mask_BL, mask_BL.new_ones(mask_BL.shape[0], 1)], dim=1)
-            out = self.model(input_ids=tok_B[:, None], attention_mask=mask_BL,
-                             position_ids=next_pos_B[:, None], cache=cache, use_cache=True)
-            logits_BV = out.logits[:, -1]
-            next_pos_B = next_pos_B + 1
-        return [
-            Sample(tuple(t), tuple(lp), "stop" if s else "length")
-            for t, lp, s in zip(tokens, logprobs, stopped)
-        ]
+            logits_BV = decoder.step(tok_B, t)
+        read_out(list(range(len(rows))), max_new_tokens)
+        return results  # type: ignore[return-value]

@@ -13,6 +13,8 @@ from tinker_pipelines.types import Observation, StepResult
 BUILTIN_ENVS = {
     "arithmetic": "tinker_pipelines.envs.arithmetic:ArithmeticEnv",
     "guess_number": "tinker_pipelines.envs.guess_number:GuessNumberEnv",
+    "multiply_tools": "tinker_pipelines.envs.tool_env:MultiplyEnv",
+    "race": "tinker_pipelines.envs.two_agent:RaceEnv",
 }
 """Short names for the built-in environments; any `package.module:ClassName` works too."""
 

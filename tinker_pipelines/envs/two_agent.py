@@ -1,0 +1,230 @@
+"""Games for two LLM agents, and a single-agent view of one seat against a scripted opponent.
+
+A `TwoAgentGame` keeps the shared state; each seat has its own conversation. The seat to move
+replies with text; the game answers with messages for each seat (usually the opponent learns
+what was played) and, when the game ends, rewards for both seats that sum to zero.
+`tinker_pipelines.multiagent.run_games` drives two policies through such games; `VersusScripted`
+turns one seat into an ordinary `Env`, so the usual episode runner, `check_env` and the training
+loop can play it against a scripted opponent (and measure win rates).
+
+`RaceGame` is the counting game "race to N": the players take turns adding 1..k to a running
+total; whoever brings it to N or beyond wins (+1), the other loses (-1). A reply that is not a
+number in 1..k forfeits. Perfect play leaves the opponent a distance to N that is a multiple of
+k + 1, so there is a strategy to learn, and a random start makes both seats sometimes the favourite.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tinker_pipelines.envs.base import Env
+from tinker_pipelines.types import Observation, StepResult
+
+
+@dataclass(frozen=True)
+class GameStep:
+    """What `TwoAgentGame.step` returns."""
+
+    observations: dict[str, Observation]
+    """New messages for each seat (a seat missing from the dict gets none)."""
+    rewards: dict[str, float]
+    """Reward of each seat for this step; over a whole game they sum to zero for a zero-sum game."""
+    done: bool
+    """True when the game has ended."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Diagnostics (winner, forfeit, ...); never trained on."""
+
+
+class TwoAgentGame(ABC):
+    """A turn-based game between two seats; one instance per game, like `Env`."""
+
+    seats: tuple[str, str] = ("a", "b")
+    """Seat names; policies are assigned to seats."""
+    zero_sum: bool = True
+    """Whether the seats' total rewards must sum to zero (checked by the game runner)."""
+
+    @abstractmethod
+    def reset(self, seed: int | None = None) -> dict[str, Observation]:
+        """Start a game; the opening messages of each seat (the same seed gives the same game)."""
+
+    @property
+    @abstractmethod
+    def to_move(self) -> str:
+        """The seat whose reply `step` expects next."""
+
+    @abstractmethod
+    def step(self, action: str) -> GameStep:
+        """Apply the reply of the seat to move."""
+
+    @property
+    def task_id(self) -> str:
+        return str(getattr(self, "_seed", ""))
+
+
+class RaceGame(TwoAgentGame):
+    """Race to `target`, adding 1..`max_add` per move; seat 'a' moves first from a seeded start."""
+
+    def __init__(self, target: int = 10, max_add: int = 3, max_start: int = 5):
+        if max_add < 1 or target < 2:
+            raise ValueError(f"env.kwargs: need max_add >= 1 and target >= 2, got {max_add}, {target}")
+        if not 0 <= max_start < target - max_add:
+            raise ValueError(f"env.kwargs.max_start must be in [0, target - max_add), got {max_start}")
+        self.target, self.max_add, self.max_start = target, max_add, max_start
+        self.total: int | None = None
+        self.done = True
+        self._to_move = "a"
+
+    def rules(self) -> str:
+        return (f"Race to {self.target}. Players take turns adding 1 to {self.max_add} to the total. "
+                f"Whoever makes the total {self.target} or more wins. Reply with one number.")
+
+    def reset(self, seed: int | None = None) -> dict[str, Observation]:
+        self._seed = seed if seed is not None else random.randrange(2**31)
+        self.total = random.Random(self._seed).randint(0, self.max_start)
+        self.done, self._to_move, self.moves = False, "a", []
+        system = {"role": "system", "content": self.rules()}
+        return {"a": [system, {"role": "user", "content": f"Total is {self.total}. Your move."}], "b": [system]}
+
+    @property
+    def to_move(self) -> str:
+        return self._to_move
+
+    def parse_move(self, action: str) -> int | None:
+        """The number played, or None when the reply is not a legal move."""
+        m = re.fullmatch(r"\s*(\d{1,3})\s*\.?\s*", action)
+        return int(m.group(1)) if m and 1 <= int(m.group(1)) <= self.max_add else None
+
+    def step(self, action: str) -> GameStep:
+        if self.total is None:
+            raise RuntimeError("RaceGame.step() called before reset()")
+        if self.done:
+            raise RuntimeError("RaceGame.step() called after the game ended; call reset()")
+        mover = self._to_move
+        other = "b" if mover == "a" else "a"
+        move = self.parse_move(action)
+        if move is None:  # forfeit
+            self.done = True
+            return GameStep({}, {mover: -1.0, other: 1.0}, True, {"winner": other, "forfeit": True})
+        self.total += move
+        self.moves.append(move)
+        if self.total >= self.target:
+            self.done = True
+            return GameStep({}, {mover: 1.0, other: -1.0}, True, {"winner": mover, "forfeit": False})
+        self._to_move = other
+        text = f"Opponent adds {move}. Total is {self.total}. Your move."
+        return GameStep({other: [{"role": "user", "content": text}]}, {mover: 0.0, other: 0.0}, False, {})
+
+    # -- scripted players ------------------------------------------------------------------
+    def optimal_move(self) -> int:
+        """Leave the opponent a multiple of max_add + 1 to go; 1 when no move does."""
+        return (self.target - self.total) % (self.max_add + 1) or 1
+
+
+def random_player(game: RaceGame, rng: random.Random) -> str:
+    """A uniformly random legal move."""
+    return str(rng.randint(1, game.max_add))
+
+
+def greedy_player(game: RaceGame, rng: random.Random) -> str:
+    """Wins when the target is within reach, otherwise plays at random."""
+    need = game.target - game.total
+    return str(need) if need <= game.max_add else random_player(game, rng)
+
+
+def optimal_player(game: RaceGame, rng: random.Random) -> str:
+    """Perfect play."""
+    return str(game.optimal_move())
+
+
+SCRIPTED_PLAYERS: dict[str, Callable[[Any, random.Random], str]] = {
+    "random": random_player, "greedy": greedy_player, "optimal": optimal_player,
+}
+"""Scripted opponents for `RaceGame`, by name."""
+
+
+class VersusScripted(Env):
+    """One seat of a two-agent game as an `Env`: the opponent's replies come from a script.
+
+    The agent sees exactly the messages it would see against another agent, so a policy trained
+    in self-play is evaluated here unchanged. Reward: the seat's reward when the game ends.
+    """
+
+    def __init__(self, game: TwoAgentGame, seat: str, opponent: Callable[[Any, random.Random], str]):
+        if seat not in game.seats:
+            raise ValueError(f"env.kwargs.seat must be one of {game.seats}, got {seat!r}")
+        self.game, self.seat, self.opponent = game, seat, opponent
+        self._started = False
+        self._done = True
+
+    def _play_opponent(self, pending: list) -> GameStep | None:
+        """Let the opponent move until it is our turn or the game ends; returns the final step."""
+        while self.game.to_move != self.seat:
+            result = self.game.step(self.opponent(self.game, self._rng))
+            pending += result.observations.get(self.seat, [])
+            self._reward += result.rewards.get(self.seat, 0.0)
+            if result.done:
+                return result
+        return None
+
+    def reset(self, seed: int | None = None) -> Observation:
+        self._seed = seed if seed is not None else random.randrange(2**31)
+        self._rng = random.Random(f"opponent-{self._seed}")
+        opening = self.game.reset(self._seed)
+        messages = list(opening[self.seat])
+        self._reward, self._started, self._done = 0.0, True, False
+        if self._play_opponent(messages) is not None:
+            raise RuntimeError(f"{type(self.game).__name__} ended before seat {self.seat!r} moved")
+        return messages
+
+    def _end(self, result: GameStep) -> StepResult:
+        self._done = True
+        win = float(result.info.get("winner") == self.seat)
+        return StepResult([], self._reward, True, {**result.info, "win": win, "exact": win})
+
+    def step(self, action: str) -> StepResult:
+        if not self._started:
+            raise RuntimeError(f"{type(self).__name__}.step() called before reset()")
+        if self._done:
+            raise RuntimeError(f"{type(self).__name__}.step() called after the episode ended; call reset()")
+        self._reward = 0.0
+        result = self.game.step(action)
+        self._reward += result.rewards.get(self.seat, 0.0)
+        if result.done:
+            return self._end(result)
+        pending = list(result.observations.get(self.seat, []))
+        final = self._play_opponent(pending)
+        if final is not None:
+            return self._end(final)
+        return StepResult(pending, self._reward, False, {})
+
+
+class RaceEnv(VersusScripted):
+    """`RaceGame`, one seat against a scripted player ('random', 'greedy' or 'optimal')."""
+
+    def __init__(self, seat: str = "a", opponent: str = "greedy", target: int = 10, max_add: int = 3,
+                 max_start: int = 5):
+        if opponent not in SCRIPTED_PLAYERS:
+            raise ValueError(f"env.kwargs.opponent must be one of {', '.join(SCRIPTED_PLAYERS)}, got {opponent!r}")
+        super().__init__(RaceGame(target, max_add, max_start), seat, SCRIPTED_PLAYERS[opponent])
+
+    @staticmethod
+    def sft_examples(n: int, seed: int = 0, **game_kwargs: Any) -> list[tuple[list, str]]:
+        """Legal but random moves from both seats' points of view: the format, not the strategy."""
+        kwargs = {k: v for k, v in game_kwargs.items() if k in ("target", "max_add", "max_start")}
+        rng = random.Random(seed)
+        out: list[tuple[list, str]] = []
+        while len(out) < n:
+            game = RaceGame(**kwargs)
+            views = {s: list(m) for s, m in game.reset(rng.randrange(2**31)).items()}
+            while not game.done and len(out) < n:
+                seat = game.to_move
+                move = random_player(game, rng)
+                out.append((list(views[seat]), move))
+                views[seat].append({"role": "assistant", "content": move})
+                for s, obs in game.step(move).observations.items():
+                    views[s] += obs
+        return out

@@ -1,0 +1,1 @@
+"""Dagster asset definitions, checks, jobs, sensors and schedules of tinker-pipelines."""

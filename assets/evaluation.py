@@ -1,0 +1,76 @@
+"""The `evaluate` job: score a registered adapter version on held-out tasks and, when it beats
+the current champion, move the registry alias `champion` to it."""
+
+
+import tempfile
+import time
+
+import dagster as dg
+
+from assets.checks import eval_score
+from assets.run_config import EvaluateConfig
+from resources import ArtifactStoreResource, MLflowResource
+from tinker_pipelines.checkpoint import read_record
+from tinker_pipelines.config import config_from_dict
+from tinker_pipelines.train import Experiment
+
+CHAMPION = "champion"
+
+
+def _resolve(tracker, name: str, version: str):
+    if not version:
+        mv = tracker.latest_version(name)
+    elif version.isdigit():
+        mv = tracker.client.get_model_version(name, version)
+    else:
+        mv = tracker.alias_version(name, version)
+    if mv is None:
+        raise dg.Failure(f"registered model {name!r} has no version {version or '(any)'!r}")
+    return mv
+
+
+@dg.op(tags={"kind": "mlflow"})
+def evaluate_adapter(context: dg.OpExecutionContext, config: EvaluateConfig, mlflow: MLflowResource,
+                     artifact_store: ArtifactStoreResource) -> dict:
+    """Load base model + the version's checkpoint, evaluate greedily, tag the version, maybe promote."""
+    tracker = mlflow.tracker()
+    mv = _resolve(tracker, config.model_name, config.version)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = tracker.download_version(config.model_name, str(mv.version), tmp)
+        cfg = config_from_dict(read_record(path)["config"])
+        exp = Experiment(cfg)
+        if cfg.sft.steps:
+            from transformers import AutoModelForCausalLM
+
+            store = artifact_store.store()
+            exp.base_model = AutoModelForCausalLM.from_pretrained(
+                str(store.local_dir(f"{mv.tags['tinker.experiment']}/sft"))).eval()
+        exp.start_rl()
+        exp.resume(path)
+    metrics = exp.evaluate(config.num_tasks or None)
+    score = eval_score(metrics)
+    n = config.num_tasks or cfg.eval.num_tasks
+    tracker.set_version_tag(config.model_name, mv.version, "eval_score", score)
+    tracker.set_version_tag(config.model_name, mv.version, "eval_num_tasks", n)
+    champ = tracker.alias_version(config.model_name, CHAMPION)
+    champ_score = float(champ.tags["eval_score"]) if champ is not None and "eval_score" in champ.tags else None
+    promoted = False
+    if config.promote and (champ is None or champ_score is None or score > champ_score):
+        tracker.set_alias(config.model_name, CHAMPION, mv.version)
+        promoted = True
+    result = {"model_name": config.model_name, "version": str(mv.version), "score": score,
+              "champion_before": str(champ.version) if champ else "none",
+              "champion_score_before": champ_score if champ_score is not None else "none",
+              "promoted": promoted, "wall_time_s": round(time.perf_counter() - start, 3),
+              **{k.replace("eval/", "eval_"): v for k, v in metrics.items()}}
+    context.add_output_metadata(result)
+    context.log.info(f"{config.model_name} v{mv.version}: score {score:.4f}; "
+                     f"{'promoted to champion' if promoted else 'champion unchanged'}")
+    return result
+
+
+@dg.job(description="Evaluate a registered adapter version; promote it to `champion` when better.",
+        executor_def=dg.in_process_executor)
+def evaluate():
+    evaluate_adapter()

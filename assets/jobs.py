@@ -1,0 +1,23 @@
+"""Jobs: `rl` (one iteration per run, partition `<experiment>:<iteration>`), `sft`, `evaluate`."""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from assets.evaluation import evaluate
+from assets.partitions import EXPERIMENTS, ITERATIONS
+from assets.sft import sft_checkpoint
+from assets.training import RL_ASSETS
+
+rl = dg.define_asset_job(
+    "rl", selection=dg.AssetSelection.assets(*RL_ASSETS), partitions_def=ITERATIONS,
+    executor_def=dg.in_process_executor,  # the steps share the resident model (see docs/runtime.md)
+    description="One RL iteration of an experiment: rollouts, scoring, an optimizer step, a registered "
+                "adapter version, and evaluation when due. Config under ops.rollout_batch.config.")
+
+sft = dg.define_asset_job(
+    "sft", selection=dg.AssetSelection.assets(sft_checkpoint), partitions_def=EXPERIMENTS,
+    executor_def=dg.in_process_executor,
+    description="Supervised warm start of an experiment's base model (partition = experiment name).")
+
+JOBS = [rl, sft, evaluate]

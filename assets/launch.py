@@ -1,0 +1,36 @@
+"""Run iterations of an experiment through Dagster from Python, one run per iteration, in this
+process: `execute_job` on a real instance, so the resident model is reused between runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dagster as dg
+
+from assets.partitions import ITERATIONS, iteration_key
+
+
+def rl_run_config(config: dict[str, Any], auto_continue: bool = False) -> dict[str, Any]:
+    """Run config of the `rl` job from a library-style config dict (plus check bounds)."""
+    return {"ops": {"rollout_batch": {"config": {**config, "auto_continue": auto_continue}}}}
+
+
+def run_iterations(instance: dg.DagsterInstance, experiment: str, config: dict[str, Any],
+                   start: int = 0, stop: int | None = None, raise_on_error: bool = True) -> list:
+    """Execute the `rl` job for iterations `start..stop-1` (default: all configured)."""
+    from tinker_pipelines.definitions import rl_job
+
+    stop = stop if stop is not None else int(config.get("training", {}).get("iterations", 10))
+    job = dg.reconstructable(rl_job)
+    run_config = rl_run_config(config)
+    results = []
+    for k in range(start, stop):
+        key = iteration_key(experiment, k)
+        if not instance.has_dynamic_partition(ITERATIONS.name, key):
+            instance.add_dynamic_partitions(ITERATIONS.name, [key])
+        with dg.execute_job(job, instance, run_config=run_config, tags={"dagster/partition": key},
+                            raise_on_error=raise_on_error) as result:
+            results.append(result.success)
+        if not results[-1]:
+            break
+    return results

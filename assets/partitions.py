@@ -1,0 +1,41 @@
+"""Partitions: one key per experiment iteration (`<experiment>:<iteration>`), one per experiment.
+
+Dagster cannot make a dynamic-partitioned asset depend on its own previous partition, so an
+iteration finds its predecessor's adapter through the instance (see `lineage.py`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import dagster as dg
+
+ITERATIONS = dg.DynamicPartitionsDefinition(name="iterations")
+"""Keys `<experiment>:<iteration>`, e.g. `quickstart:3`; added by sensors, launchers or the first step."""
+EXPERIMENTS = dg.DynamicPartitionsDefinition(name="experiments")
+"""Keys `<experiment>`: per-experiment assets (the SFT warm start)."""
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+def check_experiment(name: str) -> str:
+    if not _NAME.match(name):
+        raise ValueError(f"experiment name {name!r} must match {_NAME.pattern} (letters, digits, _ . -)")
+    return name
+
+
+def iteration_key(experiment: str, iteration: int) -> str:
+    return f"{check_experiment(experiment)}:{int(iteration)}"
+
+
+def parse_iteration_key(key: str) -> tuple[str, int]:
+    """`'demo:3'` -> `('demo', 3)`; raises ValueError naming the key otherwise."""
+    name, sep, it = key.rpartition(":")
+    if not sep or not it.isdigit():
+        raise ValueError(f"partition key {key!r} must be '<experiment>:<iteration>', e.g. 'demo:0'")
+    return check_experiment(name), int(it)
+
+
+def store_key(experiment: str, iteration: int, what: str) -> str:
+    """Artifact store key of one iteration's artifact (`demo/00003/adapter`)."""
+    return f"{experiment}/{iteration:05d}/{what}"

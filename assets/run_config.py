@@ -1,0 +1,75 @@
+"""Typed run config for the jobs, generated from the library's config dataclasses.
+
+Every field keeps the library's default and its docstring as the Dagster description, so the
+Launchpad documents each field and the two never drift. Dagster rejects unknown or mistyped
+fields at launch; `to_library_config` then runs the library's own validation (ranges, names),
+which raises `ConfigError` naming the field — both before any model loads.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
+from typing import Any, Dict
+
+import dagster as dg
+from pydantic import Field, create_model
+
+from tinker_pipelines import config as lib
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (`x: int = 1` followed by a string literal)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {a.target.id: b.value.value.strip() for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+
+
+def _config_class(cls: type, suffix: str = "Run") -> type[dg.Config]:
+    docs, hints, fields = _field_docs(cls), typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            sub = _config_class(hint)
+            fields[f.name] = (sub, Field(default_factory=sub, description=(hint.__doc__ or "").strip()))
+            continue
+        if typing.get_origin(hint) is dict:
+            hint = Dict[str, Any]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        fields[f.name] = (hint, Field(default=default, description=docs.get(f.name, f.name)))
+    return create_model(cls.__name__ + suffix, __base__=dg.Config, __doc__=cls.__doc__, **fields)
+
+
+_ExperimentConfig = _config_class(lib.Config)
+
+
+class RLConfig(_ExperimentConfig):  # type: ignore[misc, valid-type]
+    """One experiment (the partition key names it and the iteration); the same for every iteration."""
+
+    kl_bound: float = Field(default=1.0, description="Asset check: fail an iteration whose KL to the reference exceeds this.")
+    champion_margin: float = Field(default=0.05, description="Asset check: warn when evaluation trails the champion by more than this.")
+    auto_continue: bool = Field(default=True, description="Let the continue_training sensor launch the next iteration.")
+
+    def to_library_config(self) -> lib.Config:
+        """The validated library `Config`; raises `ConfigError` naming the bad field."""
+        data = self.model_dump()
+        for extra in ("kl_bound", "champion_margin", "auto_continue"):
+            data.pop(extra)
+        return lib.config_from_dict(data)
+
+    def settings(self) -> dict[str, Any]:
+        """What is stored with the experiment: the library config plus the check bounds."""
+        return {"config": lib.config_to_dict(self.to_library_config()), "kl_bound": self.kl_bound,
+                "champion_margin": self.champion_margin}
+
+
+class EvaluateConfig(dg.Config):
+    """Evaluate one registered adapter version on held-out tasks."""
+
+    model_name: str = Field(description="Registered model, e.g. tinker-quickstart.")
+    version: str = Field(default="", description="Version number or alias ('champion'); '' = the latest version.")
+    num_tasks: int = Field(default=0, description="Held-out tasks; 0 = the experiment's eval.num_tasks.")
+    promote: bool = Field(default=True, description="Move the alias `champion` here when it beats the current champion.")

@@ -1,0 +1,80 @@
+"""Sensors: continue an experiment until its configured iterations; evaluate new registry versions."""
+
+
+import json
+
+import dagster as dg
+
+from assets.evaluation import CHAMPION, evaluate
+from assets.jobs import rl
+from assets.lineage import ADAPTER
+from assets.partitions import ITERATIONS, iteration_key, parse_iteration_key
+from resources import MLflowResource
+
+
+@dg.sensor(job=rl, minimum_interval_seconds=10, default_status=dg.DefaultSensorStatus.RUNNING)
+def continue_training(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+    """After iteration k of an experiment is materialized, request k+1 (same run config) until
+    `training.iterations`; skips experiments launched with `auto_continue: false`."""
+    cursor = int(context.cursor or 0)
+    records = context.instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=ADAPTER, after_storage_id=cursor),
+                                                      limit=200, ascending=True).records
+    requests, new_keys = [], []
+    for rec in records:
+        cursor = max(cursor, rec.storage_id)
+        partition = rec.partition_key
+        run = context.instance.get_run_by_id(rec.run_id) if partition else None
+        if run is None:
+            continue
+        cfg = run.run_config.get("ops", {}).get("rollout_batch", {}).get("config", {})
+        if not cfg.get("auto_continue", True):
+            continue
+        name, k = parse_iteration_key(partition)
+        total = int(cfg.get("training", {}).get("iterations", 10))
+        nxt = iteration_key(name, k + 1)
+        if k + 1 >= total or context.instance.get_run_ids(dg.RunsFilter(tags={"dagster/partition": nxt}), limit=1):
+            continue
+        if not context.instance.has_dynamic_partition(ITERATIONS.name, nxt):
+            new_keys.append(nxt)
+        requests.append(dg.RunRequest(run_key=nxt, partition_key=nxt, run_config=run.run_config,
+                                      tags={"tinker/experiment": name, "tinker/previous_run": rec.run_id}))
+    return dg.SensorResult(run_requests=requests, cursor=str(cursor),
+                           dynamic_partitions_requests=[ITERATIONS.build_add_request(new_keys)] if new_keys else [])
+
+
+@dg.sensor(job=evaluate, minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING)
+def new_adapter_versions(context: dg.SensorEvaluationContext, mlflow: MLflowResource) -> dg.SensorResult:
+    """Poll the MLflow registry; evaluate the newest unseen version of each `tinker-*` model and
+    promote it to `champion` if it beats the current one (intermediate versions are skipped)."""
+    seen: dict[str, int] = json.loads(context.cursor) if context.cursor else {}
+    tracker = mlflow.tracker()
+    requests = []
+    for name in tracker.models():
+        latest = tracker.latest_version(name)
+        if latest is None or int(latest.version) <= seen.get(name, 0):
+            continue
+        seen[name] = int(latest.version)
+        requests.append(dg.RunRequest(
+            run_key=f"{name}:{latest.version}",
+            run_config={"ops": {"evaluate_adapter": {"config": {"model_name": name, "version": str(latest.version),
+                                                                 "promote": True}}}},
+            tags={"tinker/model": name, "tinker/version": str(latest.version)}))
+    return dg.SensorResult(run_requests=requests, cursor=json.dumps(seen, sort_keys=True))
+
+
+@dg.schedule(job=evaluate, cron_schedule="0 3 * * *", default_status=dg.DefaultScheduleStatus.STOPPED)
+def periodic_evaluation(context: dg.ScheduleEvaluationContext, mlflow: MLflowResource):
+    """Nightly re-evaluation of every model's current champion (no promotion)."""
+    tracker = mlflow.tracker()
+    requests = []
+    for name in tracker.models():
+        if tracker.alias_version(name, CHAMPION) is not None:
+            requests.append(dg.RunRequest(
+                run_key=f"{name}:{context.scheduled_execution_time:%Y%m%d}",
+                run_config={"ops": {"evaluate_adapter": {"config": {"model_name": name, "version": CHAMPION,
+                                                                     "promote": False}}}}))
+    return requests or dg.SkipReason("no registered model has a champion yet")
+
+
+SENSORS = [continue_training, new_adapter_versions]
+SCHEDULES = [periodic_evaluation]

@@ -1,0 +1,201 @@
+"""The RL iteration as assets, partitioned `<experiment>:<iteration>`:
+
+rollout_batch -> scored_trajectories -> adapter_checkpoint (-> eval_report when due).
+
+Bodies call the library (`Experiment.rollout / train_step / save / evaluate`); artifacts go to
+the artifact store and only their URIs and small numbers go into the metadata.
+"""
+
+
+import base64
+import time
+
+import dagster as dg
+
+from assets import checks
+from assets.lineage import adapter_dir, find_adapter, load_settings, save_settings, settings_config
+from assets.partitions import ITERATIONS, iteration_key, parse_iteration_key, store_key
+from assets.run_config import RLConfig
+from resources import ArtifactStoreResource, MLflowResource, PolicyEngine
+from tinker_pipelines.algorithms.registry import get_algorithm
+from tinker_pipelines.datums import rl_datums
+from tinker_pipelines.tracking import registered_model_name
+from tinker_pipelines.tracking.mlflow_tracker import learning_curve_png
+from tinker_pipelines.tracking.store import dumps, loads
+
+GROUP = "rl"
+
+
+class _Step:
+    """What every step of an iteration needs: names, store, tracker, settings, the experiment."""
+
+    def __init__(self, context: dg.AssetExecutionContext, engine: PolicyEngine, store_res: ArtifactStoreResource,
+                 mlflow: MLflowResource, settings: dict | None = None):
+        self.context, self.engine = context, engine
+        self.name, self.k = parse_iteration_key(context.partition_key)
+        self.store, self.tracker = store_res.store(), mlflow.tracker()
+        self.cache_dir = store_res.cache_dir
+        self.settings = settings or load_settings(self.store, self.name)
+        self.cfg = settings_config(self.settings)
+        self.model_name = registered_model_name(self.name)
+        self.start = time.perf_counter()
+
+    def adapter(self, iteration: int):
+        return find_adapter(self.context.instance, self.tracker, self.name, iteration) if iteration >= 0 else None
+
+    def experiment(self, at: int):
+        from pathlib import Path
+
+        def checkpoint(i: int):
+            ref = self.adapter(i)
+            return adapter_dir(ref, self.store, self.tracker, self.name, Path(self.cache_dir)) if ref else None
+
+        def sft_base():
+            key = f"{self.name}/sft"
+            return self.store.local_dir(key) if self.store.exists(key) else None
+
+        return self.engine.experiment(self.name, self.cfg, at, checkpoint, sft_base)
+
+    def rollout(self) -> dict:
+        return (self.engine.recall_rollout(self.name, self.k)
+                or loads(self.store.get_bytes(store_key(self.name, self.k, "rollout.pkl"))))
+
+    def run_id(self) -> str:
+        return self.tracker.experiment_run(self.name, params=self.settings["config"])
+
+    def elapsed(self) -> float:
+        return round(time.perf_counter() - self.start, 4)
+
+
+def _uri_value(uri: str) -> dg.MetadataValue:
+    return dg.MetadataValue.url(uri) if "://" in uri else dg.MetadataValue.path(uri)
+
+
+@dg.asset(partitions_def=ITERATIONS, group_name=GROUP, kinds={"pytorch"},
+          check_specs=[dg.AssetCheckSpec(checks.REWARDS_FINITE, asset="rollout_batch", blocking=True,
+                                         description="Every episode's reward is finite.")])
+def rollout_batch(context: dg.AssetExecutionContext, config: RLConfig, policy_engine: PolicyEngine,
+                  artifact_store: ArtifactStoreResource, mlflow: MLflowResource) -> dg.MaterializeResult:
+    """groups_per_batch tasks x group_size episodes sampled from the policy after iteration k-1."""
+    name, k = parse_iteration_key(context.partition_key)
+    settings = config.settings()  # validates: a bad config fails here, naming the field, before any model loads
+    if not context.instance.has_dynamic_partition(ITERATIONS.name, context.partition_key):
+        context.instance.add_dynamic_partitions(ITERATIONS.name, [context.partition_key])
+    step = _Step(context, policy_engine, artifact_store, mlflow,
+                 save_settings(artifact_store.store(), name, settings))
+    run_id = step.run_id()
+    prev = step.adapter(k - 1)
+    exp = step.experiment(at=k)
+    ro = exp.rollout(k)
+    payload = {"groups": ro.groups, "metrics": ro.metrics}
+    uri = step.store.put_bytes(store_key(name, k, "rollout.pkl"), dumps(payload))
+    policy_engine.remember_rollout(name, k, payload)
+    m = ro.metrics
+    return dg.MaterializeResult(
+        metadata={"path": _uri_value(uri), "reward_mean": m["reward_mean"], "reward_std": m["reward_std"],
+                  "exact_rate": m.get("exact_rate", float("nan")), "sampled_tokens": int(m["sampled_tokens"]),
+                  "episodes": int(m["episodes"]), "wall_time_s": step.elapsed(), "mlflow_run_id": run_id,
+                  "policy": prev.uri if prev else f"base model {step.cfg.model.name}",
+                  "policy_model_version": prev.model_version if prev else "none"},
+        check_results=[checks.rewards_finite(ro.groups)])
+
+
+@dg.asset(partitions_def=ITERATIONS, group_name=GROUP, deps=[rollout_batch], kinds={"python"})
+def scored_trajectories(context: dg.AssetExecutionContext, policy_engine: PolicyEngine,
+                        artifact_store: ArtifactStoreResource, mlflow: MLflowResource) -> dg.MaterializeResult:
+    """Group-relative advantages (the algorithm's estimator) turned into training datums."""
+    step = _Step(context, policy_engine, artifact_store, mlflow)
+    groups = step.rollout()["groups"]
+    datums = rl_datums(groups, get_algorithm(step.cfg.algorithm.name).advantages)
+    uri = step.store.put_bytes(store_key(step.name, step.k, "datums.pkl"), dumps(datums))
+    advs = [abs(d.advantages[i]) for d in datums for i, w in enumerate(d.weights) if w]
+    return dg.MaterializeResult(metadata={
+        "path": _uri_value(uri), "datums": len(datums),
+        "informative_groups": len(datums) // max(1, step.cfg.training.group_size),
+        "trained_tokens": int(sum(sum(d.weights) for d in datums)),
+        "advantage_abs_mean": sum(advs) / len(advs) if advs else 0.0, "wall_time_s": step.elapsed()})
+
+
+@dg.asset(partitions_def=ITERATIONS, group_name=GROUP, deps=[scored_trajectories], kinds={"pytorch", "mlflow"},
+          check_specs=[dg.AssetCheckSpec(checks.KL_WITHIN_BOUND, asset="adapter_checkpoint",
+                                         description="KL to the reference policy within the configured bound."),
+                       dg.AssetCheckSpec(checks.ADAPTER_LOADS, asset="adapter_checkpoint",
+                                         description="The written checkpoint loads and gives finite logits.")])
+def adapter_checkpoint(context: dg.AssetExecutionContext, policy_engine: PolicyEngine,
+                       artifact_store: ArtifactStoreResource, mlflow: MLflowResource) -> dg.MaterializeResult:
+    """One optimizer step on iteration k's rollouts; the checkpoint becomes a registered model version."""
+    step = _Step(context, policy_engine, artifact_store, mlflow)
+    name, k = step.name, step.k
+    rollout = step.rollout()
+    exp = step.experiment(at=k)
+    key = store_key(name, k, "adapter")
+    with policy_engine.updating(name):
+        metrics = {"iteration": float(k), **rollout["metrics"], **exp.train_step(rollout["groups"])}
+        exp.iteration = k + 1
+        local = step.store.write_dir(key)
+        record = exp.save(local, metrics)
+        uri = step.store.put_dir(local, key)
+    run_id = step.run_id()
+    step.tracker.log_metrics_once(run_id, k, metrics)
+    prev = step.adapter(k - 1)
+    version = step.tracker.register_adapter(
+        run_id, step.model_name, local, f"adapters/iter_{k:05d}",
+        tags={"dagster_run_id": context.run_id, "partition": context.partition_key,
+              "content_hash": record["content_hash"], "tinker.experiment": name, "iteration": str(k),
+              "parent_version": prev.model_version if prev else "", "store_uri": uri})
+    return dg.MaterializeResult(
+        metadata={"path": _uri_value(uri), "store_key": key, "content_hash": record["content_hash"],
+                  "model_version": version, "registered_model": step.model_name, "mlflow_run_id": run_id,
+                  "reward_mean": metrics["reward_mean"], "reward_std": metrics["reward_std"],
+                  "kl": metrics.get("kl", float("nan")), "loss": metrics.get("loss", float("nan")),
+                  "sampled_tokens": int(metrics["sampled_tokens"]),
+                  "trained_tokens": int(metrics.get("trained_tokens", 0)), "wall_time_s": step.elapsed(),
+                  "previous_adapter": prev.uri if prev else "none (first iteration)",
+                  "previous_model_version": prev.model_version if prev else "none"},
+        check_results=[checks.kl_within_bound(metrics, step.settings["kl_bound"]),
+                       checks.adapter_loads(exp, local)])
+
+
+@dg.multi_asset(
+    name="eval_report", partitions_def=ITERATIONS, can_subset=True,  # can_subset: may skip check and asset
+    specs=[dg.AssetSpec("eval_report", deps=[adapter_checkpoint], skippable=True, group_name=GROUP, kinds={"mlflow"},
+                        description="Held-out evaluation every eval.every iterations and after the last.")],
+    check_specs=[dg.AssetCheckSpec(checks.NOT_WORSE_THAN_CHAMPION, asset="eval_report",
+                                   description="Held-out score not below the champion's by more than the margin (warning).")])
+def eval_report(context: dg.AssetExecutionContext, policy_engine: PolicyEngine,
+                artifact_store: ArtifactStoreResource, mlflow: MLflowResource):
+    """Held-out evaluation every `eval.every` iterations and after the last; learning curve PNG."""
+    step = _Step(context, policy_engine, artifact_store, mlflow)
+    name, k, cfg = step.name, step.k, step.cfg
+    if (k + 1) % cfg.eval.every and k + 1 != cfg.training.iterations:
+        context.log.info(f"iteration {k}: evaluation not due (every {cfg.eval.every})")
+        return
+    exp = step.experiment(at=k + 1)
+    metrics = exp.evaluate()
+    run_id = step.run_id()
+    step.tracker.log_metrics_once(run_id, k, metrics)
+    score = checks.eval_score(metrics)
+    ref = step.adapter(k)
+    if ref and ref.model_version:
+        step.tracker.set_version_tag(step.model_name, ref.model_version, "eval_score", score)
+    champ = step.tracker.alias_version(step.model_name, "champion")
+    champ_score = float(champ.tags["eval_score"]) if champ is not None and "eval_score" in champ.tags else None
+    curves = {key: step.tracker.history(run_id, key) for key in ("reward_mean", "eval/exact_rate", "eval/reward_mean")}
+    png = learning_curve_png({k2: v for k2, v in curves.items() if v}, title=f"{name} (through iteration {k})")
+    png_uri = step.tracker.log_png(run_id, png, "curves/learning_curve.png")
+    stored = step.store.put_bytes(f"{name}/curves/learning_curve_{k:05d}.png", png)
+    if k + 1 >= cfg.training.iterations:
+        step.tracker.finish(run_id)
+    yield dg.MaterializeResult(
+        metadata={**{key.replace("eval/", "eval_"): v for key, v in metrics.items()}, "score": score,
+                  "model_version": ref.model_version if ref else "none", "mlflow_run_id": run_id,
+                  "learning_curve": _uri_value(stored), "learning_curve_mlflow": png_uri,
+                  "learning_curve_png": dg.MetadataValue.md(
+                      f"![learning curve](data:image/png;base64,{base64.b64encode(png).decode()})"),
+                  "wall_time_s": step.elapsed()},
+        check_results=[checks.not_worse_than_champion(score, champ_score, str(champ.version) if champ else None,
+                                                      step.settings["champion_margin"])])
+
+
+RL_ASSETS = [rollout_batch, scored_trajectories, adapter_checkpoint, eval_report]
+__all__ = ["RL_ASSETS", "iteration_key"]

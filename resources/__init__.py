@@ -1,0 +1,41 @@
+"""Dagster resources, and the one place that picks the local or production deployment."""
+
+from __future__ import annotations
+
+import os
+
+import dagster as dg
+
+from resources.mlflow_resource import MLflowResource
+from resources.policy_engine import PolicyEngine
+from resources.storage import ArtifactStoreResource
+from tinker_pipelines.tracking.home import default_home
+
+
+def build_resources(deployment: str | None = None) -> dict[str, dg.ConfigurableResource]:
+    """`local` (default): everything under `.tinker/`. `production`: MLflow server and S3 from env.
+
+    Production reads MLFLOW_TRACKING_URI, TINKER_ARTIFACTS_URI (s3://bucket/prefix) and
+    TINKER_S3_ENDPOINT_URL (optional); boto3 takes credentials from its usual chain.
+    """
+    deployment = deployment or os.environ.get("TINKER_DEPLOYMENT", "local")
+    home = default_home()
+    if deployment == "local":
+        home.ensure()
+        return {
+            "policy_engine": PolicyEngine(),
+            "mlflow": MLflowResource(tracking_uri=home.mlflow_uri, artifact_location=str(home.mlflow_artifacts)),
+            "artifact_store": ArtifactStoreResource(uri=str(home.artifacts), cache_dir=str(home.cache)),
+        }
+    if deployment == "production":
+        return {
+            "policy_engine": PolicyEngine(),
+            "mlflow": MLflowResource(tracking_uri=dg.EnvVar("MLFLOW_TRACKING_URI")),
+            "artifact_store": ArtifactStoreResource(uri=dg.EnvVar("TINKER_ARTIFACTS_URI"),
+                                                    endpoint_url=os.environ.get("TINKER_S3_ENDPOINT_URL", ""),
+                                                    cache_dir=str(home.cache)),
+        }
+    raise ValueError(f"TINKER_DEPLOYMENT must be 'local' or 'production', got {deployment!r}")
+
+
+__all__ = ["ArtifactStoreResource", "MLflowResource", "PolicyEngine", "build_resources"]

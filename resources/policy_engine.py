@@ -1,0 +1,112 @@
+"""The policy engine resource: resident `Experiment`s, one per experiment, per process.
+
+Dagster builds resources per run, so the models live in a module-level cache keyed by
+experiment name. Steps of one run (in-process executor) and runs executed one after another in
+the same process (`execute_job` in a loop, the benchmark, a notebook) reuse the loaded model
+and learner; a run in a fresh process (the daemon's launcher, `dagster job execute`) loads the
+base model once and resumes from the previous iteration's checkpoint, which reproduces the
+uninterrupted run exactly (weights, optimizer and RNG states are in the checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import dagster as dg
+
+from tinker_pipelines.config import Config
+from tinker_pipelines.train import Experiment
+
+
+@dataclass
+class _Entry:
+    cfg: Config
+    exp: Experiment
+    rollouts: dict[int, Any] = field(default_factory=dict)  # iteration -> groups, last one only
+
+
+_CACHE: dict[str, _Entry] = {}
+_LOCK = threading.RLock()
+
+
+def evict(experiment: str | None = None) -> None:
+    """Forget the resident experiment(s) (tests; after a failure mid-update)."""
+    with _LOCK:
+        if experiment is None:
+            _CACHE.clear()
+        else:
+            _CACHE.pop(experiment, None)
+
+
+def resident(experiment: str) -> Experiment | None:
+    entry = _CACHE.get(experiment)
+    return entry.exp if entry else None
+
+
+class PolicyEngine(dg.ConfigurableResource):
+    """Loads and keeps experiments resident (base model + learner) across steps and runs."""
+
+    keep_resident: bool = True
+    """Keep the experiment in memory after a step; false reloads from checkpoints every step."""
+
+    def experiment(self, name: str, cfg: Config, at: int, checkpoint: Callable[[int], Path | None],
+                   sft_base: Callable[[], Path | None] = lambda: None) -> Experiment:
+        """The experiment positioned at iteration `at` (iterations 0..at-1 already trained).
+
+        Reuses the resident one when it is exactly there; otherwise loads the base model (the
+        SFT checkpoint when `sft.steps` > 0) and resumes from `checkpoint(at - 1)`.
+        """
+        with _LOCK:
+            entry = _CACHE.get(name)
+            if entry is not None and entry.cfg == cfg and entry.exp.iteration == at and entry.exp.learner is not None:
+                return entry.exp
+            exp = self._load(cfg, at, checkpoint, sft_base)
+            if self.keep_resident:
+                _CACHE[name] = _Entry(cfg, exp)
+            return exp
+
+    @staticmethod
+    def _load(cfg: Config, at: int, checkpoint: Callable[[int], Path | None],
+              sft_base: Callable[[], Path | None]) -> Experiment:
+        base = sft_base() if cfg.sft.steps else None
+        if cfg.sft.steps and base is None:
+            raise RuntimeError(f"sft.steps is {cfg.sft.steps}: materialize sft_checkpoint (the `sft` job) first")
+        exp = Experiment(cfg)
+        if base is not None:  # as train() does on resume: the warm-started weights replace the base
+            from transformers import AutoModelForCausalLM
+
+            exp.base_model = AutoModelForCausalLM.from_pretrained(str(base)).eval()
+        exp.start_rl()
+        if at > 0:
+            path = checkpoint(at - 1)
+            if path is None:
+                raise RuntimeError(f"iteration {at} needs the adapter of iteration {at - 1}, which was not found")
+            exp.resume(path)
+            if exp.iteration != at:
+                raise RuntimeError(f"checkpoint {path} is at iteration {exp.iteration}, expected {at}")
+        return exp
+
+    @contextlib.contextmanager
+    def updating(self, name: str) -> Iterator[None]:
+        """Wrap a step that mutates the resident policy: on failure the entry is evicted, so a
+        retry reloads from the last checkpoint instead of training on a half-updated model."""
+        try:
+            yield
+        except BaseException:
+            evict(name)
+            raise
+        if not self.keep_resident:
+            evict(name)
+
+    def remember_rollout(self, name: str, iteration: int, groups: Any) -> None:
+        entry = _CACHE.get(name)
+        if entry is not None:
+            entry.rollouts = {iteration: groups}
+
+    def recall_rollout(self, name: str, iteration: int) -> Any | None:
+        entry = _CACHE.get(name)
+        return entry.rollouts.get(iteration) if entry is not None else None

@@ -1,0 +1,41 @@
+"""The composition root: the one Dagster `Definitions` object of the project.
+
+Loaded by `workspace.yaml` (`dagster dev`) and by `dagster job execute -m tinker_pipelines.definitions`.
+The deployment (local embedded default or production) is chosen once, in `resources.build_resources`,
+from `TINKER_DEPLOYMENT`.
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from assets.evaluation import evaluate
+from assets.jobs import JOBS
+from assets.sensors import SCHEDULES, SENSORS
+from assets.sft import sft_checkpoint
+from assets.training import RL_ASSETS
+from resources import build_resources
+
+defs = dg.Definitions(
+    assets=[*RL_ASSETS, sft_checkpoint],
+    jobs=JOBS,
+    sensors=SENSORS,
+    schedules=SCHEDULES,
+    resources=build_resources(),
+)
+
+
+def rl_job() -> dg.JobDefinition:
+    """The resolved `rl` job (for `reconstructable` / `execute_job`)."""
+    return defs.resolve_job_def("rl")
+
+
+def evaluate_job() -> dg.JobDefinition:
+    return defs.resolve_job_def("evaluate")
+
+
+def sft_job() -> dg.JobDefinition:
+    return defs.resolve_job_def("sft")
+
+
+__all__ = ["defs", "evaluate", "rl_job", "sft_job", "evaluate_job"]

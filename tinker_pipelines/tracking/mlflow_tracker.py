@@ -1,0 +1,213 @@
+"""MLflow for experiments: one run per experiment, per-iteration metrics, the adapter registry.
+
+- `experiment_run(name)` finds the run by the tag `tinker.experiment` (deterministic lookup),
+  creating it once; a retried iteration therefore logs into the same run.
+- `log_metrics_once(run_id, step, metrics)` writes one atomic batch per step and skips a step
+  already logged, so a retry never duplicates points.
+- `register_adapter` logs the checkpoint directory as run artifacts and creates a model version
+  from them with `create_model_version` (not `register_model`, which wants an MLflow model, and
+  not the transformers flavour, which breaks PEFT reloads); a version already registered for the
+  same partition and content hash is reused.
+- Aliases (`champion`), not stages.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+EXPERIMENT_TAG = "tinker.experiment"
+
+
+def registered_model_name(experiment: str) -> str:
+    """The registry name of an experiment's adapters: `tinker-<experiment>`."""
+    return f"tinker-{experiment}"
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested config -> MLflow params (`training.learning_rate`: '0.0001')."""
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = str(v)[:500]
+    return out
+
+
+class Tracker:
+    """An MLflow client bound to one tracking URI and one MLflow experiment."""
+
+    def __init__(self, tracking_uri: str, experiment_name: str = "tinker", artifact_location: str | None = None,
+                 registry_uri: str | None = None):
+        from mlflow import MlflowClient
+
+        self.tracking_uri = tracking_uri
+        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri or tracking_uri)
+        exp = self.client.get_experiment_by_name(experiment_name)
+        if exp is None:
+            try:
+                self.experiment_id = self.client.create_experiment(experiment_name, artifact_location=artifact_location)
+            except Exception:  # created concurrently by another process
+                self.experiment_id = self.client.get_experiment_by_name(experiment_name).experiment_id
+        else:
+            self.experiment_id = exp.experiment_id
+
+    # -- runs and metrics -----------------------------------------------------------------
+    def find_run(self, experiment: str) -> str | None:
+        runs = self.client.search_runs([self.experiment_id], f"tags.`{EXPERIMENT_TAG}` = '{experiment}'",
+                                       max_results=2, order_by=["attributes.start_time ASC"])
+        return runs[0].info.run_id if runs else None
+
+    def experiment_run(self, experiment: str, params: dict[str, Any] | None = None) -> str:
+        """The MLflow run of `experiment`, created (with params) on first use."""
+        run_id = self.find_run(experiment)
+        if run_id is None:
+            run = self.client.create_run(self.experiment_id, run_name=experiment, tags={EXPERIMENT_TAG: experiment})
+            run_id = run.info.run_id
+            if params:
+                from mlflow.entities import Param
+
+                items = [Param(k, v) for k, v in flatten(params).items()]
+                for i in range(0, len(items), 100):
+                    self.client.log_batch(run_id, params=items[i:i + 100])
+        return run_id
+
+    def logged_steps(self, run_id: str, key: str) -> set[int]:
+        return {m.step for m in self.client.get_metric_history(run_id, key)}
+
+    def log_metrics_once(self, run_id: str, step: int, metrics: dict[str, float]) -> bool:
+        """Log `metrics` at `step` in one batch unless that step is already there; True if logged."""
+        if not metrics:
+            return False
+        sentinel = sorted(metrics)[0]
+        if step in self.logged_steps(run_id, sentinel):
+            return False
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in sorted(metrics.items())])
+        return True
+
+    def log_series_once(self, run_id: str, key: str, values: list[float]) -> bool:
+        """Log a whole series (step = index) unless `key` already has points; True if logged."""
+        if not values or self.client.get_metric_history(run_id, key):
+            return False
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(key, float(v), now, i) for i, v in enumerate(values)]
+        for i in range(0, len(items), 1000):
+            self.client.log_batch(run_id, metrics=items[i:i + 1000])
+        return True
+
+    def history(self, run_id: str, key: str) -> list[tuple[int, float]]:
+        """(step, value) pairs of a metric, one per step (the first if ever duplicated)."""
+        seen: dict[int, float] = {}
+        for m in sorted(self.client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp)):
+            seen.setdefault(m.step, m.value)
+        return sorted(seen.items())
+
+    def log_png(self, run_id: str, png: bytes, artifact_file: str) -> str:
+        """Store a PNG as a run artifact; returns its artifact URI."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            p = Path(d) / Path(artifact_file).name
+            p.write_bytes(png)
+            sub = str(Path(artifact_file).parent) if "/" in artifact_file else None
+            self.client.log_artifact(run_id, str(p), artifact_path=sub)
+        return f"{self.client.get_run(run_id).info.artifact_uri}/{artifact_file}"
+
+    def finish(self, run_id: str) -> None:
+        self.client.set_terminated(run_id, "FINISHED")
+
+    # -- registry -----------------------------------------------------------------------
+    def _ensure_model(self, name: str) -> None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_registered_model(name)
+        except MlflowException:
+            try:
+                self.client.create_registered_model(name, description="LoRA/full checkpoints of one experiment")
+            except MlflowException:
+                pass  # created concurrently
+
+    def find_version(self, name: str, **tags: str):
+        """The newest version of `name` whose tags include all of `tags`, or None."""
+        filt = " and ".join([f"name = '{name}'"] + [f"tags.`{k}` = '{v}'" for k, v in tags.items()])
+        found = self.client.search_model_versions(filt, max_results=10, order_by=["version_number DESC"])
+        return found[0] if found else None
+
+    def register_adapter(self, run_id: str, name: str, local_dir: str | Path, artifact_path: str,
+                         tags: dict[str, str]) -> str:
+        """Log `local_dir` as run artifacts and register them as a version of `name`; returns the version.
+
+        Idempotent: a version with the same `partition` and `content_hash` tags is returned as is.
+        """
+        self._ensure_model(name)
+        if "partition" in tags and "content_hash" in tags:
+            existing = self.find_version(name, partition=tags["partition"], content_hash=tags["content_hash"])
+            if existing is not None:
+                return str(existing.version)
+        self.client.log_artifacts(run_id, str(local_dir), artifact_path=artifact_path)
+        source = f"{self.client.get_run(run_id).info.artifact_uri}/{artifact_path}"
+        mv = self.client.create_model_version(name, source, run_id=run_id, tags={k: str(v) for k, v in tags.items()})
+        return str(mv.version)
+
+    def set_version_tag(self, name: str, version: str, key: str, value: Any) -> None:
+        self.client.set_model_version_tag(name, str(version), key, str(value))
+
+    def alias_version(self, name: str, alias: str):
+        """The model version behind `alias`, or None."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_model_version_by_alias(name, alias)
+        except MlflowException:
+            return None
+
+    def set_alias(self, name: str, alias: str, version: str) -> None:
+        self.client.set_registered_model_alias(name, alias, str(version))
+
+    def models(self, prefix: str = "tinker-") -> list[str]:
+        return sorted(m.name for m in self.client.search_registered_models(f"name LIKE '{prefix}%'"))
+
+    def latest_version(self, name: str):
+        found = self.client.search_model_versions(f"name = '{name}'", max_results=1, order_by=["version_number DESC"])
+        return found[0] if found else None
+
+    def download_version(self, name: str, version: str, dest: str | Path) -> Path:
+        """Fetch a version's files (the checkpoint directory) to `dest`."""
+        import mlflow.artifacts
+
+        mv = self.client.get_model_version(name, str(version))
+        out = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dest),
+                                                  tracking_uri=self.tracking_uri)
+        return Path(out)
+
+
+def learning_curve_png(series: dict[str, list[tuple[int, float]]], title: str = "") -> bytes:
+    """A small PNG of metric curves (step, value), one line per series (matplotlib, Agg)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5, 3), dpi=80)
+    ax = fig.add_subplot()
+    for label, pts in series.items():
+        if pts:
+            ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", markersize=3, label=label)
+    ax.set_xlabel("iteration")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()

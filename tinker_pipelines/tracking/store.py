@@ -1,0 +1,148 @@
+"""The artifact store: where rollouts, scored batches and checkpoints live.
+
+Keys are POSIX paths like `demo/00003/adapter`. `LocalStore` maps them under a directory;
+`S3Store` maps them under `s3://bucket/prefix/` through boto3, with a configurable endpoint
+(AWS, MinIO, moto's server, ...). Both return a URI for metadata and can fetch a directory to
+local disk for loading.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlparse
+
+
+class ArtifactStore(Protocol):
+    def uri(self, key: str) -> str: ...
+    def put_bytes(self, key: str, data: bytes) -> str: ...
+    def get_bytes(self, key: str) -> bytes: ...
+    def exists(self, key: str) -> bool: ...
+    def put_dir(self, local: Path, key: str) -> str: ...
+    def local_dir(self, key: str) -> Path: ...
+
+
+class LocalStore:
+    """A directory on local disk (the embedded default, or a shared file system)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+
+    def path(self, key: str) -> Path:
+        return self.root / key
+
+    def uri(self, key: str) -> str:
+        return str(self.path(key))
+
+    def put_bytes(self, key: str, data: bytes) -> str:
+        p = self.path(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(p)
+        return str(p)
+
+    def get_bytes(self, key: str) -> bytes:
+        return self.path(key).read_bytes()
+
+    def exists(self, key: str) -> bool:
+        return self.path(key).exists()
+
+    def put_dir(self, local: Path, key: str) -> str:
+        dest = self.path(key)
+        if Path(local).resolve() != dest:
+            shutil.rmtree(dest, ignore_errors=True)
+            shutil.copytree(local, dest)
+        return str(dest)
+
+    def local_dir(self, key: str) -> Path:
+        """The directory itself: nothing to download."""
+        p = self.path(key)
+        if not p.is_dir():
+            raise FileNotFoundError(f"no directory {key!r} in the artifact store {self.root}")
+        return p
+
+    def write_dir(self, key: str) -> Path:
+        """Where a writer can build the directory in place (checkpoints are atomic already)."""
+        return self.path(key)
+
+
+class S3Store:
+    """`s3://bucket/prefix` through boto3; `endpoint_url` for MinIO, moto, other S3-compatibles."""
+
+    def __init__(self, uri: str, endpoint_url: str | None = None, cache_dir: str | Path = ".tinker/cache",
+                 **client_kwargs: Any):
+        import boto3
+
+        u = urlparse(uri)
+        if u.scheme != "s3" or not u.netloc:
+            raise ValueError(f"artifact store uri must look like s3://bucket/prefix, got {uri!r}")
+        self.bucket, self.prefix = u.netloc, u.path.strip("/")
+        self.cache_dir = Path(cache_dir)
+        self.client = boto3.client("s3", endpoint_url=endpoint_url or None, **client_kwargs)
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def uri(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._key(key)}"
+
+    def put_bytes(self, key: str, data: bytes) -> str:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+        return self.uri(key)
+
+    def get_bytes(self, key: str) -> bytes:
+        return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+
+    def exists(self, key: str) -> bool:
+        resp = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._key(key), MaxKeys=1)
+        return resp.get("KeyCount", 0) > 0
+
+    def put_dir(self, local: Path, key: str) -> str:
+        local = Path(local)
+        for f in sorted(local.rglob("*")):
+            if f.is_file():
+                self.client.upload_file(str(f), self.bucket, self._key(f"{key}/{f.relative_to(local).as_posix()}"))
+        return self.uri(key)
+
+    def local_dir(self, key: str) -> Path:
+        """Download every object under `key/` into the local cache and return that directory."""
+        dest = self.cache_dir / self.bucket / self._key(key)
+        prefix = self._key(key).rstrip("/") + "/"
+        found = False
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                found = True
+                target = dest / obj["Key"][len(prefix):]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self.client.download_file(self.bucket, obj["Key"], str(target))
+        if not found:
+            raise FileNotFoundError(f"no directory {self.uri(key)!r} in the artifact store")
+        return dest
+
+    def write_dir(self, key: str) -> Path:
+        """A local staging directory; call `put_dir(path, key)` after writing it."""
+        return self.cache_dir / self.bucket / self._key(key)
+
+
+def open_store(uri: str | Path, endpoint_url: str | None = None, cache_dir: str | Path = ".tinker/cache",
+               **client_kwargs: Any) -> LocalStore | S3Store:
+    """`s3://bucket/prefix` -> `S3Store`; anything else is a local directory."""
+    if str(uri).startswith("s3://"):
+        return S3Store(str(uri), endpoint_url=endpoint_url, cache_dir=cache_dir, **client_kwargs)
+    return LocalStore(uri)
+
+
+def dumps(obj: Any) -> bytes:
+    """Serialize trajectories / datums (frozen dataclasses) for the store."""
+    buf = io.BytesIO()
+    pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    return buf.getvalue()
+
+
+def loads(data: bytes) -> Any:
+    """Inverse of `dumps`. Only for objects this project wrote to its own store."""
+    return pickle.loads(data)

@@ -1,0 +1,229 @@
+"""Rollout throughput: our sampler vs plain Hugging Face `generate`, and batched multi-turn
+episodes vs a per-episode loop.
+
+    python -m benchmarks.rollout [--skip-smollm2] [--batch 16] [--new-tokens 64] [--repeats 3]
+
+1. Single turn, per model (`tiny`, `smollm2-135m-instruct`): the same batch of chat prompts
+   (uneven lengths), temperature 1.0, full-vocabulary sampling (HF: do_sample=True, top_k=0,
+   top_p=1.0), the same max_new_tokens and stop tokens. Generated tokens are counted honestly:
+   each row's tokens up to and including its first stop token (HF keeps padding finished rows;
+   those pads are not counted). The two run interleaved, `--repeats` times each, after one
+   warm-up call each; throughput is total tokens / total seconds.
+2. Multi-turn (`guess_number`, episodes of uneven length: 2..6 guesses allowed, replies end at
+   a stop token or max_new_tokens): `run_episodes` (all episodes batched across turns) vs the
+   loop a user would write: one episode at a time, `model.generate` per turn on the re-rendered
+   chat. Same model, sampling settings and token counting.
+3. Decode FLOP/s ~= 2 x parameters x tokens/s (one multiply-add per weight per token; ignores
+   attention over the KV cache and the embedding lookup, counts a tied lm_head once), as a
+   fraction of the best torch fp32 matmul rate measured in this process.
+
+The last line is one JSON object: ratio_tiny, ratio_smollm2, ratio_multiturn, peak_fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from tinker_pipelines.envs.guess_number import GuessNumberEnv
+from tinker_pipelines.models import encode_chat, load_model, stop_token_ids
+from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes
+from tinker_pipelines.rollout.sampler import Sampler
+
+
+def matmul_peak_gflops(n: int = 1536, repeats: int = 5) -> float:
+    """Best fp32 GFLOP/s of an n x n @ n x n torch matmul over `repeats` runs."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    """n chat prompts of uneven length (1 to 4 sentences of question)."""
+    prompts = []
+    for i in range(n):
+        extra = " Think about it." * (i % 4)
+        messages = [{"role": "system", "content": "Answer with a single number and nothing else."},
+                    {"role": "user", "content": f"What is {i % 10} + {(3 * i) % 10}?{extra}"}]
+        prompts.append(encode_chat(tokenizer, messages))
+    return prompts
+
+
+def _hf_kwargs(model, tokenizer, stops: list[int], max_new_tokens: int) -> dict:
+    return dict(max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
+
+
+def _count_until_stop(rows: list[list[int]], stops: set[int]) -> int:
+    total = 0
+    for row in rows:
+        n = len(row)
+        for j, t in enumerate(row):
+            if t in stops:
+                n = j + 1
+                break
+        total += n
+    return total
+
+
+def hf_generate_batch(model, tokenizer, prompts: list[list[int]], stops: list[int], max_new_tokens: int,
+                      seed: int) -> int:
+    """Plain `generate` on the left-padded batch; returns the generated tokens counted honestly."""
+    L = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), L), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p)
+        mask[i, L - len(p):] = 1
+    torch.manual_seed(seed)
+    out = model.generate(input_ids=ids, attention_mask=mask, **_hf_kwargs(model, tokenizer, stops, max_new_tokens))
+    return _count_until_stop(out[:, L:].tolist(), set(stops))
+
+
+def single_turn(name: str, model, tokenizer, batch: int, max_new_tokens: int, repeats: int) -> dict:
+    stops = stop_token_ids(tokenizer)
+    prompts = chat_prompts(tokenizer, batch)
+    sampler = Sampler(model, tokenizer.pad_token_id, stops)
+    ours_tok = ours_s = hf_tok = hf_s = 0.0
+    with torch.inference_mode():
+        sampler.sample(prompts, 4, 1.0, torch.Generator().manual_seed(0))  # warm-up
+        hf_generate_batch(model, tokenizer, prompts, stops, 4, 0)
+        for r in range(repeats):  # interleaved
+            start = time.perf_counter()
+            samples = sampler.sample(prompts, max_new_tokens, 1.0, torch.Generator().manual_seed(r))
+            ours_s += time.perf_counter() - start
+            ours_tok += sum(len(s.tokens) for s in samples)
+            start = time.perf_counter()
+            hf_tok += hf_generate_batch(model, tokenizer, prompts, stops, max_new_tokens, r)
+            hf_s += time.perf_counter() - start
+    ours, hf = ours_tok / ours_s, hf_tok / hf_s
+    return {"model": name, "ours_tok_s": ours, "hf_tok_s": hf, "ratio": ours / hf,
+            "ours_tokens": int(ours_tok), "hf_tokens": int(hf_tok),
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def _envs(n: int) -> tuple[list[GuessNumberEnv], list[int]]:
+    return [GuessNumberEnv(1, 16, max_guesses=2 + i % 5) for i in range(n)], list(range(n))
+
+
+def per_episode_loop(model, tokenizer, n: int, max_new_tokens: int, seed: int) -> tuple[int, int]:
+    """What a user would write: one episode at a time, `generate` per turn. (tokens, turns)"""
+    stops = stop_token_ids(tokenizer)
+    kwargs = _hf_kwargs(model, tokenizer, stops, max_new_tokens)
+    torch.manual_seed(seed)
+    tokens = turns = 0
+    envs, seeds = _envs(n)
+    for env, s in zip(envs, seeds):
+        messages = list(env.reset(s))
+        while True:
+            ids = torch.tensor([encode_chat(tokenizer, messages)])
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)[0, ids.shape[1]:]
+            reply = out.tolist()
+            n_tok = _count_until_stop([reply], set(stops))
+            tokens, turns = tokens + n_tok, turns + 1
+            action = tokenizer.decode(reply[:n_tok], skip_special_tokens=True)
+            result = env.step(action)
+            if result.done:
+                break
+            messages += [{"role": "assistant", "content": action}, *result.observation]
+    return tokens, turns
+
+
+def multi_turn(name: str, model, tokenizer, n: int, max_new_tokens: int, repeats: int) -> dict:
+    stops = stop_token_ids(tokenizer)
+    sampler = Sampler(model, tokenizer.pad_token_id, stops)
+    cfg = RolloutConfig(max_new_tokens=max_new_tokens, temperature=1.0, max_turns=10)
+    ours_tok = ours_s = loop_tok = loop_s = 0.0
+    ours_turns = loop_turns = 0
+    with torch.inference_mode():
+        for r in range(repeats):
+            envs, seeds = _envs(n)
+            start = time.perf_counter()
+            trajs = run_episodes(sampler, tokenizer, envs, seeds, cfg, torch.Generator().manual_seed(r))
+            ours_s += time.perf_counter() - start
+            ours_tok += sum(len(t.sampled_tokens) for traj in trajs for t in traj.turns)
+            ours_turns += sum(len(traj.turns) for traj in trajs)
+            start = time.perf_counter()
+            tok, turns = per_episode_loop(model, tokenizer, n, max_new_tokens, r)
+            loop_s += time.perf_counter() - start
+            loop_tok, loop_turns = loop_tok + tok, loop_turns + turns
+    ours, loop = ours_tok / ours_s, loop_tok / loop_s
+    return {"model": name, "episodes": n * repeats, "ours_tok_s": ours, "loop_tok_s": loop, "ratio": ours / loop,
+            "ours_turns": ours_turns, "loop_turns": loop_turns, "ours_s": ours_s, "loop_s": loop_s}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip-smollm2", action="store_true", help="only the tiny model (quick)")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--episodes", type=int, default=16, help="multi-turn episodes per repeat")
+    parser.add_argument("--turn-tokens", type=int, default=16, help="max_new_tokens per multi-turn turn")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    peak = matmul_peak_gflops()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; fp32 matmul peak {peak:.1f} GFLOP/s",
+          flush=True)
+
+    rows, decode = [], {}
+    names = ["tiny"] + ([] if args.skip_smollm2 else ["smollm2-135m-instruct"])
+    multi = None
+    for name in names:
+        model, tok = load_model(name)
+        row = single_turn(name, model, tok, args.batch, args.new_tokens, args.repeats)
+        rows.append(row)
+        print(f"  {name}: ours {row['ours_tok_s']:.0f} tok/s, HF {row['hf_tok_s']:.0f} tok/s", flush=True)
+        decode[name] = 2 * row["params"] * row["ours_tok_s"] / 1e9
+        if name == "tiny":
+            multi = multi_turn(name, model, tok, args.episodes, args.turn_tokens, args.repeats)
+            print(f"  multi-turn {name}: ours {multi['ours_tok_s']:.0f} tok/s, loop {multi['loop_tok_s']:.0f}"
+                  " tok/s", flush=True)
+        del model
+
+    print()
+    print(f"single turn, batch {args.batch}, temperature 1.0, max_new_tokens {args.new_tokens}, "
+          f"{args.repeats} interleaved repeats")
+    print(f"{'model':<24}{'ours tok/s':>12}{'HF tok/s':>12}{'ratio':>8}{'tokens ours/HF':>18}"
+          f"{'GFLOP/s':>10}{'of peak':>9}")
+    for row in rows:
+        gf = decode[row["model"]]
+        print(f"{row['model']:<24}{row['ours_tok_s']:>12.0f}{row['hf_tok_s']:>12.0f}{row['ratio']:>8.2f}"
+              f"{str(row['ours_tokens']) + '/' + str(row['hf_tokens']):>18}{gf:>10.1f}{gf / peak:>9.1%}")
+    print(f"\nmulti-turn guess_number ({multi['model']}), {multi['episodes']} episodes of 2-6 guesses, "
+          f"max_new_tokens {args.turn_tokens}/turn")
+    print(f"{'runner':<24}{'tok/s':>12}{'turns':>8}{'seconds':>10}")
+    print(f"{'run_episodes (batched)':<24}{multi['ours_tok_s']:>12.0f}{multi['ours_turns']:>8}{multi['ours_s']:>10.1f}")
+    print(f"{'per-episode generate':<24}{multi['loop_tok_s']:>12.0f}{multi['loop_turns']:>8}{multi['loop_s']:>10.1f}")
+    print(f"ratio {multi['ratio']:.2f}")
+    peak_model = names[-1]
+    print(f"\ndecode FLOP/s ~= 2 x params x tokens/s (matmuls only); peak fraction from {peak_model}; "
+          f"total {time.perf_counter() - started:.0f} s")
+    by_name = {r["model"]: r for r in rows}
+    result = {
+        "ratio_tiny": round(by_name["tiny"]["ratio"], 3),
+        "ratio_smollm2": round(by_name["smollm2-135m-instruct"]["ratio"], 3) if "smollm2-135m-instruct" in by_name else None,
+        "ratio_multiturn": round(multi["ratio"], 3),
+        "peak_fraction": round(decode[peak_model] / peak, 4),
+        "peak_gflops": round(peak, 1),
+        "multiturn_model": multi["model"],
+        "batch": args.batch,
+        "threads": torch.get_num_threads(),
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

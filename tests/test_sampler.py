@@ -1,0 +1,135 @@
+"""The sampler against Hugging Face `generate` and a full forward pass, on the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from tinker_pipelines.models import stop_token_ids
+from tinker_pipelines.rollout.lean_llama import LeanLlamaDecoder
+from tinker_pipelines.rollout.sampler import Sampler
+
+LENGTHS = (3, 11, 7, 20, 1, 14)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(5, vocab, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _hf_greedy(model, prompts, pad_id, max_new_tokens):
+    L = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p)
+        mask[i, L - len(p):] = 1
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
+    return out[:, L:].tolist()
+
+
+def _full_forward_logprobs(model, prompt, tokens, temperature):
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    lp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    return lp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+def _lora(model, **kwargs):
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                         "up_proj", "down_proj"], lora_dropout=0.0, **kwargs)
+    peft_model = get_peft_model(model, cfg)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # lora_B starts at zero: make the adapter change the function
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return peft_model.eval()
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_greedy_matches_hf_generate(tiny, lean):
+    model, tok = tiny
+    prompts = _prompts(len(tok))
+    sampler = Sampler(model, tok.pad_token_id, [], lean=lean)
+    assert LeanLlamaDecoder.supports(model)
+    ours = sampler.sample(prompts, 24, temperature=0.0)
+    assert [list(s.tokens) for s in ours] == _hf_greedy(model, prompts, tok.pad_token_id, 24)
+    assert all(s.stop_reason == "length" for s in ours)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_logprobs_match_full_forward(tiny, temperature):
+    model, tok = tiny
+    prompts = _prompts(len(tok))
+    samples = Sampler(model, tok.pad_token_id, stop_token_ids(tok)).sample(
+        prompts, 16, temperature, torch.Generator().manual_seed(0))
+    for p, s in zip(prompts, samples):
+        ref = _full_forward_logprobs(model, p, s.tokens, temperature)
+        assert torch.allclose(torch.tensor(s.logprobs), ref, atol=1e-5, rtol=0), (s.logprobs, ref.tolist())
+
+
+@pytest.mark.parametrize("use_dora", [False, True])  # DoRA can't be merged: the module-by-module step
+def test_peft_lora_model(tiny, use_dora):
+    model, tok = tiny
+    prompts = _prompts(len(tok))
+    base_greedy = Sampler(model, tok.pad_token_id, []).sample(prompts, 12, 0.0)
+    peft_model = _lora(model, use_dora=use_dora)
+    assert LeanLlamaDecoder.supports(peft_model)
+    assert (LeanLlamaDecoder(peft_model).fused is None) == use_dora
+    sampler = Sampler(peft_model, tok.pad_token_id, [])
+    greedy = sampler.sample(prompts, 12, 0.0)
+    assert [list(s.tokens) for s in greedy] == _hf_greedy(peft_model, prompts, tok.pad_token_id, 12)
+    assert [s.tokens for s in greedy] != [s.tokens for s in base_greedy]  # the adapter is applied
+    samples = sampler.sample(prompts, 12, 1.0, torch.Generator().manual_seed(0))
+    for p, s in zip(prompts, samples):
+        ref = _full_forward_logprobs(peft_model, p, s.tokens, 1.0)
+        assert torch.allclose(torch.tensor(s.logprobs), ref, atol=1e-5, rtol=0)
+    with peft_model.disable_adapter():  # the adapter switched off: the base model again
+        assert [s.tokens for s in sampler.sample(prompts, 12, 0.0)] == [s.tokens for s in base_greedy]
+
+
+def test_stop_tokens_end_rows(tiny):
+    model, tok = tiny
+    prompts = _prompts(len(tok))
+    free = Sampler(model, tok.pad_token_id, []).sample(prompts, 24, 0.0)
+    # stop on tokens that rows produce at different steps, so rows finish (and are pruned) unevenly
+    stops = sorted({free[0].tokens[3], free[2].tokens[9], free[4].tokens[15]})
+    stopped = Sampler(model, tok.pad_token_id, stops).sample(prompts, 24, 0.0)
+    n_stopped = 0
+    for f, s in zip(free, stopped):
+        first = next((i for i, t in enumerate(f.tokens) if t in stops), None)
+        if first is None:
+            assert s.tokens == f.tokens and s.stop_reason == "length"
+        else:
+            n_stopped += 1
+            assert s.tokens == f.tokens[: first + 1] and s.stop_reason == "stop"
+            assert s.logprobs == pytest.approx(f.logprobs[: first + 1], abs=1e-6)
+    assert n_stopped >= 3
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    model, tok = tiny
+    prompts = _prompts(len(tok))
+    sampler = Sampler(model, tok.pad_token_id, stop_token_ids(tok))
+    a = sampler.sample(prompts, 16, 1.0, torch.Generator().manual_seed(7))
+    b = sampler.sample(prompts, 16, 1.0, torch.Generator().manual_seed(7))
+    c = sampler.sample(prompts, 16, 1.0, torch.Generator().manual_seed(8))
+    assert a == b
+    assert [s.tokens for s in a] != [s.tokens for s in c]
+    hf_path = Sampler(model, tok.pad_token_id, stop_token_ids(tok), lean=False)
+    d = hf_path.sample(prompts, 16, 1.0, torch.Generator().manual_seed(7))
+    assert [s.tokens for s in d] == [s.tokens for s in a]  # both decode paths draw the same tokens
+
+
+def test_bad_arguments(tiny):
+    model, tok = tiny
+    sampler = Sampler(model, tok.pad_token_id, [])
+    assert sampler.sample([], 4) == []
+    with pytest.raises(ValueError, match="temperature"):
+        sampler.sample([[5]], 4, temperature=-1.0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        sampler.sample([[5], []], 4)

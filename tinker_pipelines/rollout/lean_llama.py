@@ -183,23 +183,23 @@ class LeanLlamaDecoder:
         h = self.embed(tok_B[:, None])  # [B, 1, H]
         if self.fused is None:
             return self._step_modules(h, cos, sin, mask, col)
+        n_heads = n_kv * n_rep
+        n_qk = n_heads + n_kv
+        cos, sin = cos[:, 0], sin[:, 0]  # [B, 1, D]: broadcast over heads
         for (w1, eps1, (w_qkv, b_qkv), split, (w_o, b_o), w2, eps2, (w_gu, b_gu), inter, act,
              (w_d, b_d)), k_buf, v_buf in zip(self.fused, self.keys, self.values):
             x = h.pow(2).mean(-1, keepdim=True)  # LlamaRMSNorm, op for op
             x = w1 * (h * torch.rsqrt(x + eps1))
-            q, k, v = F.linear(x, w_qkv, b_qkv).split(split, dim=-1)
-            q = q.view(B, 1, -1, D).transpose(1, 2)
-            k = k.view(B, 1, -1, D).transpose(1, 2)
-            v = v.view(B, 1, -1, D).transpose(1, 2)
-            q = (q * cos) + (rotate_half(q) * sin)
-            k = (k * cos) + (rotate_half(k) * sin)
-            k_buf[:, :, col:col + 1] = k
-            v_buf[:, :, col:col + 1] = v
-            if n_rep > 1:  # transformers' one-query GQA packing: heads of a group as queries
-                q = q.reshape(B, n_kv, n_rep, D)
+            qkv = F.linear(x, w_qkv, b_qkv)[:, 0]  # [B, (n_heads + 2 n_kv) D]
+            qk = qkv[:, : n_qk * D].view(B, n_qk, D)  # rotary on q and k heads at once
+            qk = (qk * cos) + (rotate_half(qk) * sin)
+            k_buf[:, :, col] = qk[:, n_heads:]
+            v_buf[:, :, col] = qkv[:, n_qk * D:].view(B, n_kv, D)
+            # one query token: transformers packs the heads of a group as queries (GQA)
+            q = qk[:, :n_heads].reshape(B, n_kv, n_rep, D) if n_rep > 1 else qk[:, :n_heads, None]
             o = F.scaled_dot_product_attention(q, k_buf[:, :, : col + 1], v_buf[:, :, : col + 1],
                                                attn_mask=mask, scale=self.scaling)
-            o = o.reshape(B, -1, 1, D).transpose(1, 2).reshape(B, 1, -1)
+            o = o.reshape(B, 1, -1)
             h = h + F.linear(o, w_o, b_o)
             x = h.pow(2).mean(-1, keepdim=True)
             x = w2 * (h * torch.rsqrt(x + eps2))

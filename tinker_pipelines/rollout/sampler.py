@@ -138,6 +138,8 @@ class Sampler:
         end_B = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)  # tokens kept per row
         n_live = B
         stop_ids = self.stop_token_ids
+        is_stop_V = torch.zeros(logits_BV.shape[-1] + 1, dtype=torch.bool, device=device)
+        is_stop_V[[i for i in stop_ids if 0 <= i < logits_BV.shape[-1]]] = True
         results: list[Sample | None] = [None] * B
 
         def read_out(idx: list[int], t_end: int) -> None:
@@ -152,10 +154,7 @@ class Sampler:
             tok_BT[:, t] = tok_B
             lp_BT[:, t] = lp_B
             if stop_ids:
-                hit_B = tok_B == stop_ids[0]
-                for s in stop_ids[1:]:
-                    hit_B |= tok_B == s
-                hit_B &= live_B
+                hit_B = is_stop_V[tok_B] & live_B
                 if hit_B.any():
                     end_B.masked_fill_(hit_B, t + 1)
                     live_B &= ~hit_B

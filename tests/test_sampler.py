@@ -133,3 +133,18 @@ def test_bad_arguments(tiny):
         sampler.sample([[5]], 4, temperature=-1.0)
     with pytest.raises(ValueError, match="empty prompt"):
         sampler.sample([[5], []], 4)
+
+
+def test_repeated_prompts_share_one_prefill(tiny):
+    model, tok = tiny
+    prompts = _prompts(len(tok))[:3]
+    group = [p for p in prompts for _ in range(4)]  # GRPO-style groups of identical prompts
+    sampler = Sampler(model, tok.pad_token_id, stop_token_ids(tok))
+    greedy = sampler.sample(group, 10, 0.0)
+    single = sampler.sample(prompts, 10, 0.0)
+    assert [s.tokens for s in greedy] == [s.tokens for s in single for _ in range(4)]
+    samples = sampler.sample(group, 10, 1.0, torch.Generator().manual_seed(0))
+    assert len({s.tokens for s in samples[:4]}) > 1  # rows of a group still sample independently
+    for p, s in zip(group, samples):
+        ref = _full_forward_logprobs(model, p, s.tokens, 1.0)
+        assert torch.allclose(torch.tensor(s.logprobs), ref, atol=1e-5, rtol=0)

@@ -80,7 +80,7 @@ def _fuse(modules: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | 
 
 
 class LeanLlamaDecoder:
-    """Decode steps for one batch: `prefill` once, then `step` per new token, `select` to drop rows."""
+    """Decode steps for one batch: `prefill` once, then `step` per new token; `select` drops or repeats rows."""
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -164,7 +164,7 @@ class LeanLlamaDecoder:
         return out.logits[:, -1]
 
     def select(self, keep_idx: torch.Tensor) -> None:
-        """Keep only the rows `keep_idx` (a copy of the cache; call it rarely)."""
+        """Keep (or repeat) the rows `keep_idx`: a copy of the cache, call it rarely."""
         self.keys = [k.index_select(0, keep_idx) for k in self.keys]
         self.values = [v.index_select(0, keep_idx) for v in self.values]
         self.mask_B11S = self.mask_B11S.index_select(0, keep_idx)
@@ -186,7 +186,7 @@ class LeanLlamaDecoder:
         n_heads = n_kv * n_rep
         n_qk = n_heads + n_kv
         cos, sin = cos[:, 0], sin[:, 0]  # [B, 1, D]: broadcast over heads
-        for (w1, eps1, (w_qkv, b_qkv), split, (w_o, b_o), w2, eps2, (w_gu, b_gu), inter, act,
+        for (w1, eps1, (w_qkv, b_qkv), _, (w_o, b_o), w2, eps2, (w_gu, b_gu), inter, act,
              (w_d, b_d)), k_buf, v_buf in zip(self.fused, self.keys, self.values):
             x = h.pow(2).mean(-1, keepdim=True)  # LlamaRMSNorm, op for op
             x = w1 * (h * torch.rsqrt(x + eps1))

@@ -119,16 +119,24 @@ class Sampler:
             )
         B = len(prompts)
         device = next(self.model.parameters()).device
-        input_BL = torch.full((B, longest), self.pad_token_id, dtype=torch.long)
-        mask_BL = torch.zeros((B, longest), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding keeps every row's last token aligned
-            input_BL[i, longest - len(p):] = torch.tensor(p)
-            mask_BL[i, longest - len(p):] = 1
-        input_BL, mask_BL = input_BL.to(device), mask_BL.to(device)
-        positions_BL = (mask_BL.cumsum(-1) - 1).clamp_(min=0)
+        # identical prompts (a GRPO group) are prefilled once, then their cache rows repeated
+        unique: dict[tuple[int, ...], int] = {}
+        row_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
+        U = len(unique)
+        input_UL = torch.full((U, longest), self.pad_token_id, dtype=torch.long)
+        mask_UL = torch.zeros((U, longest), dtype=torch.long)
+        for p, i in unique.items():  # left padding keeps every row's last token aligned
+            input_UL[i, longest - len(p):] = torch.tensor(p)
+            mask_UL[i, longest - len(p):] = 1
+        input_UL, mask_UL = input_UL.to(device), mask_UL.to(device)
+        positions_UL = (mask_UL.cumsum(-1) - 1).clamp_(min=0)
 
         decoder = self._decoder()
-        logits_BV = decoder.prefill(input_BL, mask_BL, positions_BL, max_new_tokens)
+        logits_BV = decoder.prefill(input_UL, mask_UL, positions_UL, max_new_tokens)
+        if U < B:
+            expand = torch.tensor(row_of, device=device)
+            decoder.select(expand)
+            logits_BV = logits_BV.index_select(0, expand)
         # Per-row state lives in the current batch (live rows plus finished rows not yet pruned);
         # outputs of a row are read out when it is pruned or at the end.
         rows = list(range(B))  # original index of each batch row

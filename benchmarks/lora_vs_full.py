@@ -5,7 +5,8 @@
 LoRA's reference is the base with the adapter disabled; full-parameter training keeps a frozen
 copy. Each mode runs in its own process (so peak memory is not shared) on the same datums: a
 GRPO loss with a k3 KL penalty, one forward/backward and one Adam step, timed after a warm-up
-step. Peak memory is the process's peak resident set size. The last line is one JSON object.
+step. Peak memory is the process's peak resident set size from after the model has loaded
+(weights included) to the end of the steps. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -13,13 +14,21 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import resource
 import time
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def _reset_peak() -> None:
+    # Writing 5 to clear_refs resets VmHWM, so the peak excludes the (larger) GGUF load.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def _one_mode(mode: str, model_name: str, batch: int, tokens: int, steps: int, queue: mp.Queue) -> None:
@@ -31,7 +40,11 @@ def _one_mode(mode: str, model_name: str, batch: int, tokens: int, steps: int, q
     from tinker_pipelines.types import Datum
 
     model, tok = load_model(model_name)
-    after_load = _rss_mb()
+    import gc
+
+    gc.collect()
+    _reset_peak()
+    after_load = _status_mb("VmRSS")
     gen = torch.Generator().manual_seed(0)
     prompt = tokens // 2
     datums = []
@@ -49,7 +62,7 @@ def _one_mode(mode: str, model_name: str, batch: int, tokens: int, steps: int, q
         learner.forward_backward(datums, loss_fn, loss_cfg)
         learner.optim_step()
         times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = _status_mb("VmHWM")
     trainable = sum(p.numel() for p in learner.params)
     queue.put({"mode": mode, "peak_mb": peak, "after_load_mb": after_load, "step_s": min(times[1:]),
                "trainable": trainable})

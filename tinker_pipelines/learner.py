@@ -141,10 +141,19 @@ class Learner:
         if self.cfg.mode == "lora" and self.model.active_adapter != self.adapter_name:
             self.model.set_adapter(self.adapter_name)
 
-    def _logprobs(self, model: torch.nn.Module, padded: _Padded) -> torch.Tensor:
-        logits_BTV = model(input_ids=padded.inputs_BT, attention_mask=padded.mask_BT).logits
-        logprobs_BTV = torch.log_softmax(logits_BTV.float() / self.cfg.temperature, dim=-1)
-        return logprobs_BTV.gather(-1, padded.targets_BT[..., None]).squeeze(-1)
+    def _logprobs(self, model: torch.nn.Module, padded: _Padded, only_weighted: bool = True) -> torch.Tensor:
+        """Logprobs of the targets, [B, T]. With `only_weighted`, the output layer runs only from
+        the first weighted position on (prompts carry no loss; at a 49k vocabulary the output
+        layer and its softmax are a large share of the step); earlier positions read 0."""
+        B, T = padded.inputs_BT.shape
+        start = 0
+        if only_weighted:
+            weighted_B = padded.fields["weights"].ne(0).float().argmax(dim=1)
+            start = int(weighted_B.min()) if padded.fields["weights"].any() else 0
+        logits_BKV = model(input_ids=padded.inputs_BT, attention_mask=padded.mask_BT, logits_to_keep=T - start).logits
+        logprobs_BKV = torch.log_softmax(logits_BKV.float() / self.cfg.temperature, dim=-1)
+        lp_BK = logprobs_BKV.gather(-1, padded.targets_BT[:, start:, None]).squeeze(-1)
+        return torch.nn.functional.pad(lp_BK, (start, 0)) if start else lp_BK
 
     @torch.no_grad()
     def reference_logprobs(self, padded: _Padded) -> torch.Tensor:
@@ -162,7 +171,7 @@ class Learner:
         """Current policy's logprob of every target token, per datum."""
         self.activate()
         padded = pad_datums(datums, self.pad_token_id)
-        lp_BT = self._logprobs(self.model, padded)
+        lp_BT = self._logprobs(self.model, padded, only_weighted=False)
         return [lp_BT[i, : len(d.input_tokens)].tolist() for i, d in enumerate(datums)]
 
     def forward_backward(self, datums: list[Datum], loss_fn: LossFn,

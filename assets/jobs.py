@@ -10,13 +10,13 @@ from assets.sft import sft_checkpoint
 from assets.training import RL_ASSETS
 
 rl = dg.define_asset_job(
-    "rl", selection=dg.AssetSelection.assets(*RL_ASSETS), partitions_def=ITERATIONS,
+    "rl", selection=dg.AssetSelection.assets(*RL_ASSETS),
     executor_def=dg.in_process_executor,  # the steps share the resident model (see docs/runtime.md)
     description="One RL iteration of an experiment: rollouts, scoring, an optimizer step, a registered "
                 "adapter version, and evaluation when due. Config under ops.rollout_batch.config.")
 
 sft = dg.define_asset_job(
-    "sft", selection=dg.AssetSelection.assets(sft_checkpoint), partitions_def=EXPERIMENTS,
+    "sft", selection=dg.AssetSelection.assets(sft_checkpoint),
     executor_def=dg.in_process_executor,
     description="Supervised warm start of an experiment's base model (partition = experiment name).")
 

@@ -34,3 +34,17 @@ def run_iterations(instance: dg.DagsterInstance, experiment: str, config: dict[s
         if not results[-1]:
             break
     return results
+
+
+def run_sft(instance: dg.DagsterInstance, experiment: str, config: dict[str, Any]) -> bool:
+    """Execute the `sft` job (the warm start) for `experiment`; True on success."""
+    from assets.partitions import EXPERIMENTS, check_experiment
+    from tinker_pipelines.definitions import sft_job
+
+    check_experiment(experiment)
+    if not instance.has_dynamic_partition(EXPERIMENTS.name, experiment):
+        instance.add_dynamic_partitions(EXPERIMENTS.name, [experiment])
+    run_config = {"ops": {"sft_checkpoint": {"config": config}}}
+    with dg.execute_job(dg.reconstructable(sft_job), instance, run_config=run_config,
+                        tags={"dagster/partition": experiment}, raise_on_error=True) as result:
+        return result.success

@@ -140,7 +140,7 @@ def adapter_checkpoint(context: dg.AssetExecutionContext, policy_engine: PolicyE
     prev = step.adapter(k - 1)
     version = step.tracker.register_adapter(
         run_id, step.model_name, local, f"adapters/iter_{k:05d}",
-        tags={"dagster_run_id": context.run_id, "partition": context.partition_key,
+        tags={"dagster_run_id": context.run.run_id, "partition": context.partition_key,
               "content_hash": record["content_hash"], "tinker.experiment": name, "iteration": str(k),
               "parent_version": prev.model_version if prev else "", "store_uri": uri})
     return dg.MaterializeResult(

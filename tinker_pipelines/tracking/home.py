@@ -48,12 +48,35 @@ class TinkerHome:
         return self.root / "cache"
 
     def ensure(self) -> "TinkerHome":
-        """Create the folders (idempotent); nothing has to be started by hand."""
+        """Create the folders and, in a fresh Dagster home, its `dagster.yaml` (idempotent)."""
+        fresh = not self.dagster_home.exists() or not any(self.dagster_home.iterdir())
         for p in (self.dagster_home, self.mlflow_artifacts, self.artifacts, self.cache):
             p.mkdir(parents=True, exist_ok=True)
+        if fresh:  # never switch storage under an instance that already has runs
+            (self.dagster_home / "dagster.yaml").write_text(DAGSTER_YAML.format(home=self.dagster_home))
         return self
+
+
+DAGSTER_YAML = """\
+# Embedded default instance (written by tinker_pipelines.tracking.home on first use).
+# One sqlite database for all event logs instead of one per run: fewer files and about half
+# the per-run bookkeeping time. Production: see docs/dagster.production.yaml.
+event_log_storage:
+  module: dagster._core.storage.event_log
+  class: ConsolidatedSqliteEventLogStorage
+  config:
+    base_dir: {home}/history
+telemetry:
+  enabled: false
+"""
 
 
 def default_home() -> TinkerHome:
     """`$TINKER_HOME`, else `.tinker/` in the current directory (the project root)."""
     return TinkerHome(Path(os.environ.get("TINKER_HOME") or Path.cwd() / ".tinker").resolve())
+
+
+if __name__ == "__main__":
+    home = default_home().ensure()
+    print(f"export DAGSTER_HOME={home.dagster_home}")
+    print(f"# MLflow UI: mlflow ui --backend-store-uri {home.mlflow_uri} --port 5000")

@@ -44,6 +44,7 @@ class Tracker:
         from mlflow import MlflowClient
 
         self.tracking_uri = tracking_uri
+        self._runs: dict[str, str] = {}
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri or tracking_uri)
         exp = self.client.get_experiment_by_name(experiment_name)
         if exp is None:
@@ -62,6 +63,8 @@ class Tracker:
 
     def experiment_run(self, experiment: str, params: dict[str, Any] | None = None) -> str:
         """The MLflow run of `experiment`, created (with params) on first use."""
+        if experiment in self._runs:
+            return self._runs[experiment]
         run_id = self.find_run(experiment)
         if run_id is None:
             run = self.client.create_run(self.experiment_id, run_name=experiment, tags={EXPERIMENT_TAG: experiment})
@@ -72,6 +75,7 @@ class Tracker:
                 items = [Param(k, v) for k, v in flatten(params).items()]
                 for i in range(0, len(items), 100):
                     self.client.log_batch(run_id, params=items[i:i + 100])
+        self._runs[experiment] = run_id
         return run_id
 
     def logged_steps(self, run_id: str, key: str) -> set[int]:

@@ -1,0 +1,123 @@
+"""The `sft` and `rl` jobs on a real temporary instance (`instance_for_test` + `execute_job`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from dagster_env import NO_SFT, SMALL, materializations, metadata, tracker
+
+from assets.launch import rl_run_config, run_iterations, run_sft
+from resources.policy_engine import evict, resident
+from tinker_pipelines.config import config_from_dict
+from tinker_pipelines.tracking import registered_model_name
+from tinker_pipelines.train import deterministic_metrics, train
+
+EXP = "jobs"
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """SFT then 3 RL iterations of experiment `jobs`, one run per iteration."""
+    with dg.instance_for_test() as instance:
+        assert run_sft(instance, EXP, SMALL)
+        assert run_iterations(instance, EXP, SMALL) == [True, True, True]
+        yield instance
+
+
+def test_iterations_materialize_with_metadata_and_lineage(trained):
+    versions = []
+    for k in range(3):
+        (rec,) = materializations(trained, "adapter_checkpoint", f"{EXP}:{k}")
+        md = metadata(rec)
+        for key in ("reward_mean", "reward_std", "kl", "sampled_tokens", "trained_tokens", "wall_time_s",
+                    "mlflow_run_id", "model_version", "content_hash", "path"):
+            assert key in md, key
+        assert (Path(md["path"]) / "adapter_model.safetensors").exists()
+        assert md["previous_model_version"] == (versions[-1] if versions else "none")
+        versions.append(md["model_version"])
+        (roll,) = materializations(trained, "rollout_batch", f"{EXP}:{k}")
+        assert metadata(roll)["policy_model_version"] == (versions[-2] if k else "none")
+        assert {"rewards_finite"} <= _passed_checks(trained, "rollout_batch", f"{EXP}:{k}")
+        assert {"kl_within_bound", "adapter_loads"} <= _passed_checks(trained, "adapter_checkpoint", f"{EXP}:{k}")
+    assert len(set(versions)) == 3
+    # eval every 2 and after the last: iterations 1 and 2, with a learning-curve PNG
+    assert sorted(r.partition_key for r in materializations(trained, "eval_report")) == [f"{EXP}:1", f"{EXP}:2"]
+    curve = metadata(materializations(trained, "eval_report", f"{EXP}:2")[0])["learning_curve"]
+    assert Path(curve).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (sft,) = materializations(trained, "sft_checkpoint", EXP)
+    assert metadata(sft)["steps"] == 40
+
+
+def _passed_checks(instance, asset: str, partition: str) -> set[str]:
+    """Names of the checks on `asset` that passed in the run that materialized `partition`."""
+    (rec,) = materializations(instance, asset, partition)
+    events = instance.all_logs(rec.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
+    evals = [e.dagster_event.event_specific_data for e in events]
+    return {e.check_name for e in evals if e.asset_key == dg.AssetKey(asset) and e.passed}
+
+
+def test_same_metrics_as_the_plain_loop(trained, tmp_path):
+    plain = [deterministic_metrics(m) for m in train(config_from_dict({**SMALL, "output_dir": str(tmp_path)}))]
+    t = tracker()
+    run_id = t.find_run(EXP)
+    for k, expected in enumerate(plain):
+        got = {key: dict(t.history(run_id, key)).get(k) for key in expected}
+        assert got == expected, f"iteration {k}"
+
+
+def test_one_mlflow_run_registry_versions_and_tags(trained):
+    t = tracker()
+    runs = t.client.search_runs([t.experiment_id], f"tags.`tinker.experiment` = '{EXP}'")
+    assert len(runs) == 1
+    run_id = runs[0].info.run_id
+    assert runs[0].data.params["training.learning_rate"] == "0.005"
+    assert [s for s, _ in t.history(run_id, "reward_mean")] == [0, 1, 2]
+    assert len(t.client.get_metric_history(run_id, "reward_mean")) == 3
+    name = registered_model_name(EXP)
+    versions = t.client.search_model_versions(f"name = '{name}'")
+    assert len(versions) == 3
+    for mv in versions:
+        k = int(mv.tags["iteration"])
+        rec = metadata(materializations(trained, "adapter_checkpoint", f"{EXP}:{k}")[0])
+        assert mv.tags["partition"] == f"{EXP}:{k}" and mv.tags["content_hash"] == rec["content_hash"]
+        assert trained.get_run_by_id(mv.tags["dagster_run_id"]).tags["dagster/partition"] == f"{EXP}:{k}"
+    files = t.client.list_artifacts(run_id, "adapters/iter_00002")
+    assert {Path(f.path).name for f in files} >= {"adapter_model.safetensors", "record.json"}
+
+
+def test_retry_in_fresh_process_state_resumes_and_does_not_duplicate(trained):
+    """Re-running iteration 1 with nothing resident: iteration 0's adapter is found through the
+    instance, the result is bit-identical, and MLflow gets no duplicate points or versions."""
+    before = metadata(materializations(trained, "adapter_checkpoint", f"{EXP}:1")[0])
+    evict()
+    assert run_iterations(trained, EXP, SMALL, start=1, stop=2) == [True]
+    after = metadata(materializations(trained, "adapter_checkpoint", f"{EXP}:1")[0])
+    assert after["content_hash"] == before["content_hash"]
+    assert after["model_version"] == before["model_version"]
+    t = tracker()
+    run_id = t.find_run(EXP)
+    assert len(t.client.get_metric_history(run_id, "reward_mean")) == 3
+    assert len(t.client.get_metric_history(run_id, "eval/exact_rate")) == 2
+    assert len(t.client.search_model_versions(f"name = '{registered_model_name(EXP)}'")) == 3
+
+
+def test_bad_config_fails_naming_the_field_before_any_model_loads():
+    bad = {**NO_SFT, "training": {**NO_SFT["training"], "learning_rate": -1.0}}
+    with dg.instance_for_test() as instance:
+        assert run_iterations(instance, "badcfg", bad, raise_on_error=False) == [False]
+        (run,) = instance.get_runs()
+        failure = [e for e in instance.all_logs(run.run_id) if e.dagster_event and e.dagster_event.is_step_failure]
+        assert "training.learning_rate must be positive" in json.dumps(str(failure[0].dagster_event.event_specific_data))
+    assert resident("badcfg") is None
+    with pytest.raises(dg.DagsterInvalidConfigError, match="learning_rat"):
+        with dg.instance_for_test() as instance:
+            bad = {**NO_SFT, "training": {**NO_SFT["training"], "learning_rat": 1.0}}
+            run_iterations(instance, "typo", bad)
+
+
+def test_rl_run_config_shape():
+    cfg = rl_run_config(NO_SFT)
+    assert cfg["ops"]["rollout_batch"]["config"]["auto_continue"] is False

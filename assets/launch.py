@@ -16,13 +16,17 @@ def rl_run_config(config: dict[str, Any], auto_continue: bool = False) -> dict[s
 
 
 def run_iterations(instance: dg.DagsterInstance, experiment: str, config: dict[str, Any],
-                   start: int = 0, stop: int | None = None, raise_on_error: bool = True) -> list:
-    """Execute the `rl` job for iterations `start..stop-1` (default: all configured)."""
+                   start: int = 0, stop: int | None = None, raise_on_error: bool = True,
+                   auto_continue: bool = False) -> list:
+    """Execute the `rl` job for iterations `start..stop-1` (default: all configured).
+
+    `auto_continue=False` (the default) keeps the continue_training sensor from also launching
+    the next iteration when a daemon runs against the same instance."""
     from tinker_pipelines.definitions import rl_job
 
     stop = stop if stop is not None else int(config.get("training", {}).get("iterations", 10))
     job = dg.reconstructable(rl_job)
-    run_config = rl_run_config(config)
+    run_config = rl_run_config(config, auto_continue)
     results = []
     for k in range(start, stop):
         key = iteration_key(experiment, k)

@@ -16,7 +16,9 @@ def build_resources(deployment: str | None = None) -> dict[str, dg.ConfigurableR
     """`local` (default): everything under `.tinker/`. `production`: MLflow server and S3 from env.
 
     Production reads MLFLOW_TRACKING_URI, TINKER_ARTIFACTS_URI (s3://bucket/prefix) and
-    TINKER_S3_ENDPOINT_URL (optional); boto3 takes credentials from its usual chain.
+    TINKER_S3_ENDPOINT_URL (optional) and TINKER_MLFLOW_ARTIFACT_LOCATION (optional, for a new
+    MLflow experiment; a tracking server normally decides); boto3 takes credentials from its
+    usual chain (env, ~/.aws, instance role).
     """
     deployment = deployment or os.environ.get("TINKER_DEPLOYMENT", "local")
     home = default_home()
@@ -30,7 +32,8 @@ def build_resources(deployment: str | None = None) -> dict[str, dg.ConfigurableR
     if deployment == "production":
         return {
             "policy_engine": PolicyEngine(),
-            "mlflow": MLflowResource(tracking_uri=dg.EnvVar("MLFLOW_TRACKING_URI")),
+            "mlflow": MLflowResource(tracking_uri=dg.EnvVar("MLFLOW_TRACKING_URI"),
+                                     artifact_location=os.environ.get("TINKER_MLFLOW_ARTIFACT_LOCATION", "")),
             "artifact_store": ArtifactStoreResource(uri=dg.EnvVar("TINKER_ARTIFACTS_URI"),
                                                     endpoint_url=os.environ.get("TINKER_S3_ENDPOINT_URL", ""),
                                                     cache_dir=str(home.cache)),

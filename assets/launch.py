@@ -52,3 +52,28 @@ def run_sft(instance: dg.DagsterInstance, experiment: str, config: dict[str, Any
     with dg.execute_job(dg.reconstructable(sft_job), instance, run_config=run_config,
                         tags={"dagster/partition": experiment}, raise_on_error=True) as result:
         return result.success
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m assets.launch EXPERIMENT RUN_CONFIG.yaml`: all iterations, one run each, in one
+    process (the model stays resident), on the instance of $DAGSTER_HOME."""
+    import argparse
+
+    import yaml
+
+    p = argparse.ArgumentParser(prog="python -m assets.launch", description=main.__doc__)
+    p.add_argument("experiment")
+    p.add_argument("run_config", help="the `rl` job's run config (ops.rollout_batch.config)")
+    p.add_argument("--start", type=int, default=0)
+    p.add_argument("--stop", type=int, default=None)
+    args = p.parse_args(argv)
+    config = yaml.safe_load(open(args.run_config))["ops"]["rollout_batch"]["config"]
+    config.pop("auto_continue", None)
+    with dg.DagsterInstance.get() as instance:
+        ok = run_iterations(instance, args.experiment, config, args.start, args.stop, raise_on_error=False)
+    print(f"{sum(ok)} of {len(ok)} iterations succeeded")
+    return 0 if all(ok) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -75,8 +75,3 @@ def default_home() -> TinkerHome:
     """`$TINKER_HOME`, else `.tinker/` in the current directory (the project root)."""
     return TinkerHome(Path(os.environ.get("TINKER_HOME") or Path.cwd() / ".tinker").resolve())
 
-
-if __name__ == "__main__":
-    home = default_home().ensure()
-    print(f"export DAGSTER_HOME={home.dagster_home}")
-    print(f"# MLflow UI: mlflow ui --backend-store-uri {home.mlflow_uri} --port 5000")

@@ -145,7 +145,7 @@ class MultiplyEnv(ToolEnv):
             if "calculator" not in env.tools:
                 out.append((messages, env._answer))
                 continue
-            call = format_tool_call("calculator", {"expression": f"{a}*{b}"})
+            call = format_tool_call("calculator", {"expression": f"{a} * {b}"})
             result = env.step(call).observation
             out.append((messages, call))
             out.append((messages + [{"role": "assistant", "content": call}, *result], env._answer))

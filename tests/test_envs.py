@@ -1,0 +1,214 @@
+"""check_env on every built-in env, what it catches, tool episodes, the documented example env."""
+
+import math
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinker_pipelines.datums import trajectory_to_datum
+from tinker_pipelines.envs import BUILTIN_ENVS, Env, EnvCheckError, EnvSpec, check_env
+from tinker_pipelines.envs.tool_env import MultiplyEnv
+from tinker_pipelines.envs.tools import format_tool_call
+from tinker_pipelines.envs.two_agent import RaceEnv, RaceGame
+from tinker_pipelines.models import render_chat, stop_token_ids
+from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes
+from tinker_pipelines.rollout.sampler import Sample, Sampler
+from tinker_pipelines.types import StepResult
+
+GOOD_ACTIONS = {
+    "arithmetic": ["7"],
+    "guess_number": [str(i) for i in range(1, 17)],
+    "multiply_tools": [format_tool_call("calculator", {"expression": "12*34"}), "408"],
+    "race": ["1", "2", "3"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_ENVS))
+def test_check_env_on_every_builtin(name, tiny):
+    _, tok = tiny
+    assert name in GOOD_ACTIONS, f"add good actions for the new built-in {name!r}"
+    found = check_env(EnvSpec(name).build(), actions=GOOD_ACTIONS[name], tokenizer=tok)
+    assert all("reward" in w and "after the end" in w for w in found), found  # only arithmetic's harmless repeat
+
+
+class _Good(Env):
+    def reset(self, seed=None):
+        self._seed = seed
+        self.rng, self.done = random.Random(seed), False
+        return [{"role": "user", "content": f"Say {self.rng.randint(0, 9)}"}]
+
+    def step(self, action):
+        if self.done:
+            raise RuntimeError("over")
+        self.done = True
+        return StepResult([], 1.0, True, {})
+
+
+class _Nondeterministic(_Good):
+    def reset(self, seed=None):
+        super().reset(seed)
+        return [{"role": "user", "content": f"Say {random.random()}"}]
+
+
+class _NanReward(_Good):
+    def step(self, action):
+        return StepResult([], math.nan, True, {})
+
+
+class _BoolReward(_Good):
+    def step(self, action):
+        return StepResult([], True, True, {})
+
+
+class _Crashes(_Good):
+    def step(self, action):
+        return StepResult([], float(int(action)), True, {})  # "The answer is 7." -> ValueError
+
+
+class _GoesOn(_Good):
+    def step(self, action):
+        return StepResult([] if self.done else [{"role": "user", "content": "again"}], 0.0, self.done, {}) \
+            if not setattr(self, "done", not self.done) else None
+
+
+class _BadMessage(_Good):
+    def reset(self, seed=None):
+        super().reset(seed)
+        return [{"role": "user", "text": "hi"}]
+
+
+class _Silent(_Good):
+    def step(self, action):
+        return StepResult([], 0.0, False, {})
+
+
+class _RandomStep(_Good):
+    def step(self, action):
+        super().step(action)
+        return StepResult([], random.random(), True, {})
+
+
+@pytest.mark.parametrize("env,match", [
+    (_Nondeterministic(), "different observations"),
+    (_NanReward(), "finite"),
+    (_BoolReward(), "finite floats"),
+    (_Crashes(), "raised ValueError"),
+    (_GoesOn(), "after the episode ended"),
+    (_BadMessage(), "malformed message"),
+    (_Silent(), "no message to answer"),
+    (_RandomStep(), "replaying the same replies"),
+])
+def test_check_env_catches_broken_envs(env, match):
+    with pytest.raises(EnvCheckError, match=match):
+        check_env(env, actions=["1"])
+    check_env(_Good())
+
+
+def test_tiny_template_renders_tool_messages(tiny):
+    _, tok = tiny
+    text = render_chat(tok, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "c"},
+                             {"role": "tool", "content": "287663"}])
+    assert text.endswith("<|im_start|>tool\n287663<|im_end|>\n<|im_start|>assistant\n")
+
+
+class _ScriptedSampler:
+    """Replies with fixed texts in turn (per row), like a policy that knows the task."""
+
+    def __init__(self, tok, replies):
+        self.tok, self.replies, self.calls = tok, replies, 0
+        self.stop_token_ids, self.max_context = stop_token_ids(tok), 1024
+
+    def sample(self, prompts, max_new_tokens, temperature=1.0, generator=None):
+        out = []
+        for p in prompts:
+            text = self.replies(self.tok.decode(p))
+            toks = tuple(self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id])
+            out.append(Sample(toks, tuple(-0.5 for _ in toks), "stop"))
+        return out
+
+
+def _multiply_policy(context: str) -> str:
+    if "<|im_start|>tool\n" in context:
+        return context.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0]
+    a, b = re.findall(r"What is (\d+) \* (\d+)\?", context)[-1]
+    return format_tool_call("calculator", {"expression": f"{a}*{b}"})
+
+
+def test_tool_episode_env_tokens_carry_no_loss(tiny):
+    _, tok = tiny
+    sampler = _ScriptedSampler(tok, _multiply_policy)
+    seeds = [3, 4]
+    trajs = run_episodes(sampler, tok, [MultiplyEnv(prompt_style="short") for _ in seeds], seeds,
+                         RolloutConfig(max_new_tokens=96, max_turns=3))
+    for traj in trajs:
+        assert traj.stop_reason == "done" and traj.total_reward == 1.0 and len(traj.turns) == 2
+        t0, t1 = traj.turns
+        env_start = len(t0.prompt_tokens) + len(t0.sampled_tokens)
+        assert t1.prompt_tokens[:env_start] == t0.prompt_tokens + t0.sampled_tokens  # token-exact
+        env_text = tok.decode(t1.prompt_tokens[env_start:])
+        assert env_text.startswith("\n<|im_start|>tool\n" + traj.info["answer"])
+        d = trajectory_to_datum(traj, 1.0)
+        assert sum(d.weights) == traj.num_sampled_tokens
+        assert all(d.weights[i] == 0 for i in range(env_start - 1, len(t1.prompt_tokens) - 1))
+        assert all(d.weights[i] == 1 for i in range(len(t1.prompt_tokens) - 1, len(d.weights)))
+
+
+def test_tool_env_with_the_tiny_model_never_crashes(tiny):
+    model, tok = tiny
+    sampler = Sampler(model, tok.pad_token_id, stop_token_ids(tok))
+    seeds = list(range(8))
+    trajs = run_episodes(sampler, tok, [MultiplyEnv() for _ in seeds], seeds,
+                         RolloutConfig(max_new_tokens=8, max_turns=3), torch.Generator().manual_seed(0))
+    assert all(t.total_reward == 0.0 and t.info["exact"] == 0.0 for t in trajs)
+
+
+def test_race_env_against_scripted_players():
+    wins = {}
+    for me in ("random", "optimal"):
+        total = 0
+        for seed in range(200):
+            env = RaceEnv(seat="a", opponent="greedy")
+            env.reset(seed)
+            rng = random.Random(seed)
+            while True:
+                move = str(env.game.optimal_move()) if me == "optimal" else str(rng.randint(1, 3))
+                r = env.step(move)
+                if r.done:
+                    total += r.info["win"]
+                    assert r.reward == (1.0 if r.info["win"] else -1.0)
+                    break
+        wins[me] = total / 200
+    assert wins["optimal"] > 0.85 and wins["random"] < 0.45
+    env = RaceEnv(seat="b")
+    opening = env.reset(0)
+    assert [m["role"] for m in opening] == ["system", "user"] and "Opponent adds" in opening[1]["content"]
+    forfeit = env.step("seven")
+    assert forfeit.done and forfeit.reward == -1.0 and forfeit.info["forfeit"]
+
+
+def _doc_example():
+    text = (Path(__file__).parents[1] / "docs" / "environments.md").read_text()
+    code = text.split("<!-- example-env")[1].split("```python\n", 1)[1].split("```", 1)[0]
+    return code
+
+
+def test_documented_example_env(tiny):
+    code = _doc_example()
+    assert len(code.strip().splitlines()) <= 30
+    namespace: dict = {}
+    exec(compile(code, "docs/environments.md", "exec"), namespace)
+    cls = namespace["SpellBackwards"]
+    model, tok = tiny
+    found = check_env(cls(), actions=["loot", "rewsna"], tokenizer=tok)
+    assert [w for w in found if "pickled" not in w] == []  # defined by exec, so not importable
+    env = cls()
+    word = env.reset(seed=1)[-1]["content"]
+    assert env.step("x").observation and env.step(word[::-1]).reward == 0.5
+    sampler = Sampler(model, tok.pad_token_id, stop_token_ids(tok))
+    seeds = list(range(6))
+    trajs = run_episodes(sampler, tok, [cls() for _ in seeds], seeds, RolloutConfig(max_new_tokens=6, max_turns=2),
+                         torch.Generator().manual_seed(0))
+    assert all(t.stop_reason == "done" and len(t.turns) == 2 for t in trajs)  # a random model misses twice

@@ -148,3 +148,43 @@ def test_repeated_prompts_share_one_prefill(tiny):
     for p, s in zip(group, samples):
         ref = _full_forward_logprobs(model, p, s.tokens, 1.0)
         assert torch.allclose(torch.tensor(s.logprobs), ref, atol=1e-5, rtol=0)
+
+
+def test_multi_turn_prompt_reuse_matches_fresh_prefill(tiny, monkeypatch):
+    from tinker_pipelines.envs.guess_number import GuessNumberEnv
+    from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes
+
+    reused = []
+    original = LeanLlamaDecoder.prefill_reusing
+    monkeypatch.setattr(LeanLlamaDecoder, "prefill_reusing",
+                        lambda self, *a, **k: reused.append(1) or original(self, *a, **k))
+    model, tok = tiny
+    cfg = RolloutConfig(max_new_tokens=8, temperature=1.0, max_turns=4)
+    runs = {}
+    for reuse in (True, False):
+        sampler = Sampler(model, tok.pad_token_id, stop_token_ids(tok), reuse_prompts=reuse)
+        envs = [GuessNumberEnv(max_guesses=2 + i % 3) for i in range(6)]
+        runs[reuse] = run_episodes(sampler, tok, envs, list(range(6)), cfg, torch.Generator().manual_seed(0))
+    assert sum(len(t.turns) for t in runs[True]) > 6
+    assert len(reused) >= 2  # turns after the first reused the previous turn's prompt
+    for a, b in zip(runs[True], runs[False]):
+        for x, y in zip(a.turns, b.turns, strict=True):
+            assert x.sampled_tokens == y.sampled_tokens
+            assert x.sampled_logprobs == pytest.approx(y.sampled_logprobs, abs=1e-5)
+            ref = _full_forward_logprobs(model, x.prompt_tokens, x.sampled_tokens, 1.0)
+            assert torch.allclose(torch.tensor(x.sampled_logprobs), ref, atol=1e-5, rtol=0)
+
+
+def test_reuse_is_dropped_when_weights_change(tiny):
+    model, tok = tiny
+    prompts = _prompts(len(tok))
+    sampler = Sampler(model, tok.pad_token_id, [])
+    first = sampler.sample(prompts, 6, 0.0)
+    with torch.no_grad():  # an optimizer step in place
+        model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+    longer = [p + list(s.tokens) for p, s in zip(prompts, first)]
+    reused = sampler.sample(longer, 6, 0.0)
+    fresh = Sampler(model, tok.pad_token_id, [], reuse_prompts=False).sample(longer, 6, 0.0)
+    assert [s.tokens for s in reused] == [s.tokens for s in fresh]
+    flat = [x for s in reused for x in s.logprobs]
+    assert flat == pytest.approx([x for s in fresh for x in s.logprobs], abs=1e-6)

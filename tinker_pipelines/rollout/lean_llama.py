@@ -20,6 +20,8 @@ the model's own forward otherwise.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
@@ -77,6 +79,39 @@ def _fuse(modules: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | 
         return weight, None
     bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in params])
     return weight, bias
+
+
+@dataclass
+class PromptStore:
+    """Keys and values of the prompts of a previous `sample` call, for prompts that extend them
+    (the next turn of a multi-turn episode). Valid only while the weights are unchanged."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    L: int
+    """Column after each row's last prompt token (prompts are left-padded)."""
+    lengths: list[int]
+    rows: dict[tuple[int, ...], int]
+    """Prompt -> row."""
+    fingerprint: tuple
+
+    def lookup(self, prompt: tuple[int, ...]) -> tuple[int, int] | None:
+        """(row, length) of the longest stored prompt that is a strict prefix of `prompt`. (A
+        prompt seen before is not reused: sampling it again gives bitwise the same results.)"""
+        for n in sorted(set(self.lengths), reverse=True):
+            if n < len(prompt) and prompt[:n] in self.rows:
+                return self.rows[prompt[:n]], n
+        return None
+
+
+def weights_fingerprint(model: torch.nn.Module) -> tuple:
+    """Changes whenever a parameter is updated in place (optimizer step, state-dict load) or
+    replaced, or an adapter is switched, merged or disabled."""
+    params = tuple((p.data_ptr(), p._version) for p in model.parameters())
+    adapters = tuple((getattr(m, "disable_adapters", None), tuple(getattr(m, "active_adapters", ())),
+                      getattr(m, "merged", None))
+                     for m in model.modules() if hasattr(m, "lora_A"))
+    return params + adapters
 
 
 class LeanLlamaDecoder:
@@ -153,15 +188,83 @@ class LeanLlamaDecoder:
             v[:, :, :L] = layer.values
             self.keys.append(k)
             self.values.append(v)
+        self._setup(mask_BL, positions_BL, max_new_tokens, out.logits.dtype)
+        return out.logits[:, -1]
+
+    def _setup(self, mask_BL: torch.Tensor, positions_BL: torch.Tensor, max_new_tokens: int,
+               dtype: torch.dtype) -> None:
+        B, L = mask_BL.shape
         # rows attend to their prompt tokens and to every generated one
-        self.mask_B11S = torch.ones((B, 1, 1, S), dtype=torch.bool, device=input_BL.device)
+        self.mask_B11S = torch.ones((B, 1, 1, L + max_new_tokens), dtype=torch.bool, device=mask_BL.device)
         self.mask_B11S[:, 0, 0, :L] = mask_BL.bool()
         # rotary cos/sin of every step of every row, from the model's own rotary module
-        pos_BT = positions_BL[:, -1:] + 1 + torch.arange(max_new_tokens, device=input_BL.device)
-        dummy = out.logits.new_empty(0)
-        self.cos_BTD, self.sin_BTD = self.rotary(dummy, pos_BT)
+        pos_BT = positions_BL[:, -1:] + 1 + torch.arange(max_new_tokens, device=mask_BL.device)
+        self.cos_BTD, self.sin_BTD = self.rotary(torch.empty(0, dtype=dtype, device=mask_BL.device), pos_BT)
         self.col = L
-        return out.logits[:, -1]
+
+    @torch.inference_mode()
+    def prefill_reusing(self, input_BL: torch.Tensor, mask_BL: torch.Tensor, positions_BL: torch.Tensor,
+                        max_new_tokens: int, store: PromptStore, hits: list[tuple[int, int] | None]) -> torch.Tensor:
+        """Like `prefill`, but row i's first `hits[i][1]` prompt tokens take their keys and values
+        from row `hits[i][0]` of `store` (the same tokens at the same positions, same weights);
+        only the remaining tail of the prompts runs through the layers. Needs the fused path."""
+        assert self.fused is not None
+        B, L = input_BL.shape
+        lens = mask_BL.sum(1).tolist()
+        T = max(n - (h[1] if h else 0) for n, h in zip(lens, hits))  # new columns L-T..L-1
+        S = L + max_new_tokens
+        self.keys = [input_BL.new_zeros((B, self.n_kv, S, self.head_dim), dtype=self.head[0].dtype)
+                     for _ in self.layers]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        for i, (n, hit) in enumerate(zip(lens, hits)):
+            n_copy = n - T  # cached tokens left of the new block
+            if hit is None or n_copy <= 0:
+                continue
+            j, _ = hit
+            src = store.L - store.lengths[j]
+            for dst_k, dst_v, src_k, src_v in zip(self.keys, self.values, store.keys, store.values):
+                dst_k[i, :, L - n: L - n + n_copy] = src_k[j, :, src: src + n_copy]
+                dst_v[i, :, L - n: L - n + n_copy] = src_v[j, :, src: src + n_copy]
+        dev = input_BL.device
+        q_col = torch.arange(L - T, L, device=dev)
+        allowed = mask_BL.bool()[:, None, :] & (torch.arange(L, device=dev)[None, :] <= q_col[:, None])[None]
+        allowed[:, torch.arange(T, device=dev), q_col] = True  # pad queries see themselves: no NaN
+        mask = allowed[:, None]  # [B, 1, T, L]
+        h = self.embed(input_BL[:, L - T:])  # [B, T, H]
+        cos, sin = self.rotary(h, positions_BL[:, L - T:])
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, D]
+        D, n_rep, n_kv = self.head_dim, self.n_rep, self.n_kv
+        n_heads = n_kv * n_rep
+        n_qk = n_heads + n_kv
+        for (w1, eps1, (w_qkv, b_qkv), _, (w_o, b_o), w2, eps2, (w_gu, b_gu), inter, act,
+             (w_d, b_d)), k_buf, v_buf in zip(self.fused, self.keys, self.values):
+            x = h.pow(2).mean(-1, keepdim=True)
+            x = w1 * (h * torch.rsqrt(x + eps1))
+            qkv = F.linear(x, w_qkv, b_qkv)  # [B, T, (n_heads + 2 n_kv) D]
+            qk = qkv[..., : n_qk * D].view(B, T, n_qk, D)
+            qk = (qk * cos) + (rotate_half(qk) * sin)
+            k_buf[:, :, L - T: L] = qk[:, :, n_heads:].transpose(1, 2)
+            v_buf[:, :, L - T: L] = qkv[..., n_qk * D:].view(B, T, n_kv, D).transpose(1, 2)
+            keys, values = k_buf[:, :, :L], v_buf[:, :, :L]
+            if n_rep > 1:
+                keys = keys[:, :, None].expand(B, n_kv, n_rep, L, D).reshape(B, n_heads, L, D)
+                values = values[:, :, None].expand(B, n_kv, n_rep, L, D).reshape(B, n_heads, L, D)
+            o = F.scaled_dot_product_attention(qk[:, :, :n_heads].transpose(1, 2), keys, values,
+                                               attn_mask=mask, scale=self.scaling)
+            h = h + F.linear(o.transpose(1, 2).reshape(B, T, -1), w_o, b_o)
+            x = h.pow(2).mean(-1, keepdim=True)
+            x = w2 * (h * torch.rsqrt(x + eps2))
+            gate, up = F.linear(x, w_gu, b_gu).split([inter, inter], dim=-1)
+            h = h + F.linear(act(gate) * up, w_d, b_d)
+        x = h[:, -1]
+        x = self.norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon))
+        self._setup(mask_BL, positions_BL, max_new_tokens, x.dtype)
+        return F.linear(x, *self.head)
+
+    def store(self, prompts: list[tuple[int, ...]], fingerprint: tuple) -> PromptStore:
+        """The prompts' keys and values of the last prefill (decoding writes only later columns)."""
+        return PromptStore(self.keys, self.values, self.col, [len(p) for p in prompts],
+                           {p: i for i, p in enumerate(prompts)}, fingerprint)
 
     def select(self, keep_idx: torch.Tensor) -> None:
         """Keep (or repeat) the rows `keep_idx`: a copy of the cache, call it rarely."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from tinker_pipelines.rollout.lean_llama import LeanLlamaDecoder
+from tinker_pipelines.rollout.lean_llama import LeanLlamaDecoder, PromptStore, weights_fingerprint
 
 
 @dataclass(frozen=True)
@@ -86,18 +86,29 @@ class Sampler:
     """
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int, stop_token_ids: list[int],
-                 max_context: int | None = None, lean: bool = True):
+                 max_context: int | None = None, lean: bool = True, reuse_prompts: bool = True):
         self.model = model
         self.pad_token_id = pad_token_id
         self.stop_token_ids = list(stop_token_ids)
         self.max_context = max_context or getattr(model.config, "max_position_embeddings", None)
         self.lean = lean
         """Use the lean decode step where the model supports it (set False to compare)."""
+        self.reuse_prompts = reuse_prompts
+        """Keep the prompts' keys/values of the last call and reuse them for prompts that extend
+        those (the next turn of an episode) while the weights are unchanged (lean path only)."""
+        self._lean: tuple[tuple, LeanLlamaDecoder] | None = None
+        self._store: PromptStore | None = None
 
-    def _decoder(self):
+    def _decoder(self) -> tuple[LeanLlamaDecoder | _HFDecoder, tuple | None]:
+        """The decoder and the weights' fingerprint (None on the HF path). The lean decoder (its
+        fused weights) is kept across calls until a parameter or adapter changes."""
         if self.lean and LeanLlamaDecoder.supports(self.model):
-            return LeanLlamaDecoder(self.model)
-        return _HFDecoder(self.model)
+            fingerprint = weights_fingerprint(self.model)
+            if self._lean is None or self._lean[0] != fingerprint:
+                self._lean, self._store = (fingerprint, LeanLlamaDecoder(self.model)), None
+            return self._lean[1], fingerprint
+        self._lean = self._store = None
+        return _HFDecoder(self.model), None
 
     @torch.inference_mode()
     def sample(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
@@ -131,8 +142,15 @@ class Sampler:
         input_UL, mask_UL = input_UL.to(device), mask_UL.to(device)
         positions_UL = (mask_UL.cumsum(-1) - 1).clamp_(min=0)
 
-        decoder = self._decoder()
-        logits_BV = decoder.prefill(input_UL, mask_UL, positions_UL, max_new_tokens)
+        decoder, fingerprint = self._decoder()
+        reuse = self.reuse_prompts and fingerprint is not None and decoder.fused is not None
+        store = self._store if reuse and self._store is not None and self._store.fingerprint == fingerprint else None
+        hits = [store.lookup(p) for p in unique] if store is not None else []
+        if any(hits):
+            logits_BV = decoder.prefill_reusing(input_UL, mask_UL, positions_UL, max_new_tokens, store, hits)
+        else:
+            logits_BV = decoder.prefill(input_UL, mask_UL, positions_UL, max_new_tokens)
+        self._store = decoder.store(list(unique), fingerprint) if reuse else None
         if U < B:
             expand = torch.tensor(row_of, device=device)
             decoder.select(expand)

@@ -15,6 +15,19 @@ def rl_run_config(config: dict[str, Any], auto_continue: bool = False) -> dict[s
     return {"ops": {"rollout_batch": {"config": {**config, "auto_continue": auto_continue}}}}
 
 
+def eval_due(config: dict[str, Any], iteration: int) -> bool:
+    """Whether iteration k evaluates (every `eval.every` and after the last), as `eval_report` decides."""
+    every = int(config.get("eval", {}).get("every", 5))
+    total = int(config.get("training", {}).get("iterations", 10))
+    return (iteration + 1) % every == 0 or iteration + 1 == total
+
+
+def iteration_assets(config: dict[str, Any], iteration: int) -> list[dg.AssetKey]:
+    """The assets a run of iteration k needs: `eval_report` only when due (one step less per run)."""
+    names = ["rollout_batch", "scored_trajectories", "adapter_checkpoint"]
+    return [dg.AssetKey(n) for n in names + (["eval_report"] if eval_due(config, iteration) else [])]
+
+
 def run_iterations(instance: dg.DagsterInstance, experiment: str, config: dict[str, Any],
                    start: int = 0, stop: int | None = None, raise_on_error: bool = True,
                    auto_continue: bool = False) -> list:
@@ -33,7 +46,7 @@ def run_iterations(instance: dg.DagsterInstance, experiment: str, config: dict[s
         if not instance.has_dynamic_partition(ITERATIONS.name, key):
             instance.add_dynamic_partitions(ITERATIONS.name, [key])
         with dg.execute_job(job, instance, run_config=run_config, tags={"dagster/partition": key},
-                            raise_on_error=raise_on_error) as result:
+                            asset_selection=iteration_assets(config, k), raise_on_error=raise_on_error) as result:
             results.append(result.success)
         if not results[-1]:
             break

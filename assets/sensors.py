@@ -7,6 +7,7 @@ import dagster as dg
 
 from assets.evaluation import CHAMPION, evaluate
 from assets.jobs import rl
+from assets.launch import iteration_assets
 from assets.lineage import ADAPTER
 from assets.partitions import ITERATIONS, iteration_key, parse_iteration_key
 from resources import MLflowResource
@@ -37,6 +38,7 @@ def continue_training(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         if not context.instance.has_dynamic_partition(ITERATIONS.name, nxt):
             new_keys.append(nxt)
         requests.append(dg.RunRequest(run_key=nxt, partition_key=nxt, run_config=run.run_config,
+                                      asset_selection=iteration_assets(cfg, k + 1),
                                       tags={"tinker/experiment": name, "tinker/previous_run": rec.run_id}))
     return dg.SensorResult(run_requests=requests, cursor=str(cursor),
                            dynamic_partitions_requests=[ITERATIONS.build_add_request(new_keys)] if new_keys else [])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -168,14 +169,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--episodes", type=int, default=16, help="multi-turn episodes per repeat")
     parser.add_argument("--turn-tokens", type=int, default=16, help="max_new_tokens per multi-turn turn")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's, or 1 when other jobs keep the cores busy)")
     args = parser.parse_args(argv)
+    note = ""
     if args.threads:
         torch.set_num_threads(args.threads)
+    else:
+        load = os.getloadavg()[0]
+        if torch.get_num_threads() > 1 and load >= 1.0:
+            # OpenMP threads that wait for a busy core stall every op: 2 threads then run both
+            # samplers ~10-20x slower and the comparison measures the other jobs.
+            torch.set_num_threads(1)
+            note = f" (load average {load:.1f} from other jobs: 1 thread; --threads overrides)"
     started = time.perf_counter()
     peak = matmul_peak_gflops()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; fp32 matmul peak {peak:.1f} GFLOP/s",
-          flush=True)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads{note}; "
+          f"fp32 matmul peak {peak:.1f} GFLOP/s", flush=True)
 
     rows, decode = [], {}
     names = ["tiny"] + ([] if args.skip_smollm2 else ["smollm2-135m-instruct"])
@@ -220,6 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
         "multiturn_model": multi["model"],
         "batch": args.batch,
         "threads": torch.get_num_threads(),
+        "load_average": round(os.getloadavg()[0], 1),
     }
     print(json.dumps(result))
     return result

@@ -1,8 +1,20 @@
 """Batched decoding with a KV cache that returns the sampled tokens and their logprobs.
 
-All rows decode together; a row that hits a stop token is dropped from the batch (and from the
-cache) so finished episodes cost nothing. Sampling draws one uniform per row and inverts the
-CDF, which is much cheaper on CPU than `torch.multinomial` over a large vocabulary.
+All rows decode together. Where time goes on CPU, and what this module does about it:
+
+- Llama-style models (also with a PEFT LoRA adapter) decode through `LeanLlamaDecoder`: a
+  static KV cache allocated once per call, q|k|v and gate|up fused into one matmul each (LoRA
+  merged into those copies), no per-step masks, cache concatenation or output objects. Greedy
+  outputs equal `model.generate`'s token for token; other models use their own forward.
+- Sampling draws one uniform per row and inverts the CDF (cumsum + searchsorted), ~10x cheaper
+  on CPU than `torch.multinomial` over a large vocabulary.
+- Finished rows are dropped from the batch (and the cache) once a quarter of the batch has
+  finished: pruning copies the cache, so it is batched rather than done for every stop.
+- Identical prompts (a GRPO group) are prefilled once; a prompt that extends one of the last
+  call's prompts (the next turn of an episode) reuses that prompt's keys and values while the
+  weights are unchanged, so only the new tokens are prefilled.
+- Python touches per-step results only to test for stops (one boolean per step); tokens and
+  logprobs stay in tensors until a row is read out.
 """
 
 from __future__ import annotations
@@ -83,6 +95,9 @@ class Sampler:
     Llama-style models (also inside a PEFT LoRA wrapper) decode through `LeanLlamaDecoder`: a
     static KV cache and a lean per-token step that skips transformers' per-step overhead; other
     models go through their own forward with a `DynamicCache`. Both give the same tokens.
+
+    Memory: between calls the lean path keeps its fused weight copies (q|k|v and gate|up: about
+    two thirds of the layer weights) and the last call's prompt keys/values (`reuse_prompts`).
     """
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int, stop_token_ids: list[int],

@@ -9,7 +9,8 @@ episodes vs a per-episode loop.
    each row's tokens up to and including its first stop token (HF keeps padding finished rows;
    those pads are not counted). The two run interleaved, `--repeats` times each, after one
    warm-up call each; throughput is total tokens / total seconds.
-2. Multi-turn (`guess_number`, episodes of uneven length: 2..6 guesses allowed, replies end at
+2. Multi-turn on `tiny` (the figure) and, for reference, one repeat on SmolLM2
+   (`guess_number`, episodes of uneven length: 2..6 guesses allowed, replies end at
    a stop token or max_new_tokens): `run_episodes` (all episodes batched across turns) vs the
    loop a user would write: one episode at a time, `model.generate` per turn on the re-rendered
    chat. Same model, sampling settings and token counting.
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--episodes", type=int, default=16, help="multi-turn episodes per repeat")
     parser.add_argument("--turn-tokens", type=int, default=16, help="max_new_tokens per multi-turn turn")
+    parser.add_argument("--skip-multiturn-smollm2", action="store_true",
+                        help="multi-turn on tiny only (the SmolLM2 reference row takes ~1-2 minutes)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's, or 1 when other jobs keep the cores busy)")
     args = parser.parse_args(argv)
@@ -189,16 +192,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows, decode = [], {}
     names = ["tiny"] + ([] if args.skip_smollm2 else ["smollm2-135m-instruct"])
-    multi = None
+    multis = []
     for name in names:
         model, tok = load_model(name)
         row = single_turn(name, model, tok, args.batch, args.new_tokens, args.repeats)
         rows.append(row)
         print(f"  {name}: ours {row['ours_tok_s']:.0f} tok/s, HF {row['hf_tok_s']:.0f} tok/s", flush=True)
         decode[name] = 2 * row["params"] * row["ours_tok_s"] / 1e9
-        if name == "tiny":
-            multi = multi_turn(name, model, tok, args.episodes, args.turn_tokens, args.repeats)
-            print(f"  multi-turn {name}: ours {multi['ours_tok_s']:.0f} tok/s, loop {multi['loop_tok_s']:.0f}"
+        if name == "tiny" or not args.skip_multiturn_smollm2:
+            # the figure is on tiny; SmolLM2 (one repeat: its per-episode loop is slow) for reference
+            m = multi_turn(name, model, tok, args.episodes, args.turn_tokens, args.repeats if name == "tiny" else 1)
+            multis.append(m)
+            print(f"  multi-turn {name}: ours {m['ours_tok_s']:.0f} tok/s, loop {m['loop_tok_s']:.0f}"
                   " tok/s", flush=True)
         del model
 
@@ -211,12 +216,16 @@ def main(argv: list[str] | None = None) -> dict:
         gf = decode[row["model"]]
         print(f"{row['model']:<24}{row['ours_tok_s']:>12.0f}{row['hf_tok_s']:>12.0f}{row['ratio']:>8.2f}"
               f"{str(row['ours_tokens']) + '/' + str(row['hf_tokens']):>18}{gf:>10.1f}{gf / peak:>9.1%}")
-    print(f"\nmulti-turn guess_number ({multi['model']}), {multi['episodes']} episodes of 2-6 guesses, "
-          f"max_new_tokens {args.turn_tokens}/turn")
-    print(f"{'runner':<24}{'tok/s':>12}{'turns':>8}{'seconds':>10}")
-    print(f"{'run_episodes (batched)':<24}{multi['ours_tok_s']:>12.0f}{multi['ours_turns']:>8}{multi['ours_s']:>10.1f}")
-    print(f"{'per-episode generate':<24}{multi['loop_tok_s']:>12.0f}{multi['loop_turns']:>8}{multi['loop_s']:>10.1f}")
-    print(f"ratio {multi['ratio']:.2f}")
+    print(f"\nmulti-turn guess_number, episodes of 2-6 guesses, max_new_tokens {args.turn_tokens}/turn, "
+          "batched run_episodes vs per-episode generate loop")
+    print(f"{'model':<24}{'episodes':>9}{'ours tok/s':>12}{'loop tok/s':>12}{'ratio':>8}{'turns ours/loop':>17}"
+          f"{'seconds ours/loop':>19}")
+    for m in multis:
+        turns = f"{m['ours_turns']}/{m['loop_turns']}"
+        secs = f"{m['ours_s']:.1f}/{m['loop_s']:.1f}"
+        print(f"{m['model']:<24}{m['episodes']:>9}{m['ours_tok_s']:>12.0f}{m['loop_tok_s']:>12.0f}{m['ratio']:>8.2f}"
+              f"{turns:>17}{secs:>19}")
+    multi = multis[0]
     peak_model = names[-1]
     print(f"\ndecode FLOP/s ~= 2 x params x tokens/s (matmuls only); peak fraction from {peak_model}; "
           f"total {time.perf_counter() - started:.0f} s")
@@ -228,6 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_fraction": round(decode[peak_model] / peak, 4),
         "peak_gflops": round(peak, 1),
         "multiturn_model": multi["model"],
+        "ratio_multiturn_smollm2": round(multis[1]["ratio"], 3) if len(multis) > 1 else None,
         "batch": args.batch,
         "threads": torch.get_num_threads(),
         "load_average": round(os.getloadavg()[0], 1),

@@ -188,3 +188,14 @@ def test_reuse_is_dropped_when_weights_change(tiny):
     assert [s.tokens for s in reused] == [s.tokens for s in fresh]
     flat = [x for s in reused for x in s.logprobs]
     assert flat == pytest.approx([x for s in fresh for x in s.logprobs], abs=1e-6)
+
+
+def test_invalidate_after_edits_through_data(tiny):
+    model, tok = tiny
+    prompts = _prompts(len(tok))
+    sampler = Sampler(model, tok.pad_token_id, [])
+    sampler.sample(prompts, 4, 0.0)
+    model.model.layers[1].self_attn.q_proj.weight.data.mul_(-2.0)  # no version bump: invisible
+    sampler.invalidate()
+    fresh = Sampler(model, tok.pad_token_id, [], reuse_prompts=False)
+    assert [s.tokens for s in sampler.sample(prompts, 6, 0.0)] == [s.tokens for s in fresh.sample(prompts, 6, 0.0)]

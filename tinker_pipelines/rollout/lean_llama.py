@@ -106,7 +106,8 @@ class PromptStore:
 
 def weights_fingerprint(model: torch.nn.Module) -> tuple:
     """Changes whenever a parameter is updated in place (optimizer step, state-dict load) or
-    replaced, or an adapter is switched, merged or disabled."""
+    replaced, or an adapter is switched, merged or disabled. Not seen: edits through `p.data`
+    (a separate version counter); call `Sampler.invalidate()` after those."""
     params = tuple((p.data_ptr(), p._version) for p in model.parameters())
     adapters = tuple((getattr(m, "disable_adapters", None), tuple(getattr(m, "active_adapters", ())),
                       getattr(m, "merged", None))

@@ -114,6 +114,11 @@ class Sampler:
         self._lean: tuple[tuple, LeanLlamaDecoder] | None = None
         self._store: PromptStore | None = None
 
+    def invalidate(self) -> None:
+        """Drop the fused weights and stored prompt keys/values (weights changed behind torch's
+        version counters, e.g. through `param.data`, or to free memory)."""
+        self._lean = self._store = None
+
     def _decoder(self) -> tuple[LeanLlamaDecoder | _HFDecoder, tuple | None]:
         """The decoder and the weights' fingerprint (None on the HF path). The lean decoder (its
         fused weights) is kept across calls until a parameter or adapter changes."""

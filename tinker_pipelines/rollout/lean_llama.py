@@ -8,8 +8,11 @@ for one new token per row with none of that:
 - keys and values go into buffers allocated once per `sample` call (prompt + max_new_tokens);
 - the attention mask is a boolean `[B, 1, 1, S]` built once and sliced per step;
 - rotary cos/sin for every row and step are computed once (the model's own rotary module);
-- the sub-modules (norms, projections, MLP, lm_head) are the model's own, called as modules,
-  so a PEFT LoRA adapter injected into them is applied exactly as in the model's forward.
+- q|k|v and gate|up run as one matmul each on fused weight copies (bitwise the same outputs as
+  separate matmuls); active vanilla LoRA adapters are merged into those copies. Adapters that
+  cannot be merged (DoRA, LoRA bias, ...) run through the model's own sub-modules instead;
+- the prefill is the model's own forward, except that a prompt extending one of the previous
+  call's prompts (`PromptStore`) reuses their keys/values and runs only its new tokens.
 
 The attention call mirrors transformers' SDPA path for one query token (grouped-query heads
 packed along the query axis), so greedy outputs match `model.generate` token for token.
@@ -145,7 +148,7 @@ class LeanLlamaDecoder:
         self.n_kv = cfg.num_key_value_heads
         # Per layer: fused q|k|v and gate|up weights (a fused matmul gives bitwise the same
         # outputs as separate ones and saves calls); LoRA adapters are merged in. The matmuls
-        # run on these copies, so build a decoder per `sample` call (weights may have changed).
+        # run on these copies: rebuild the decoder when the weights change (`weights_fingerprint`).
         self.fused = self._fuse_weights()
 
     def _fuse_weights(self) -> list[tuple] | None:

@@ -121,3 +121,13 @@ def test_bad_config_fails_naming_the_field_before_any_model_loads():
 def test_rl_run_config_shape():
     cfg = rl_run_config(NO_SFT)
     assert cfg["ops"]["rollout_batch"]["config"]["auto_continue"] is False
+
+
+def test_full_parameter_mode_iteration():
+    cfg = {**NO_SFT, "training": {**NO_SFT["training"], "mode": "full", "iterations": 1}, "eval": {"every": 1, "num_tasks": 4}}
+    with dg.instance_for_test() as instance:
+        assert run_iterations(instance, "fullmode", cfg) == [True]
+        md = metadata(materializations(instance, "adapter_checkpoint", "fullmode:0")[0])
+        assert list(Path(md["path"]).glob("model*.safetensors"))
+        assert {"adapter_loads", "kl_within_bound"} <= _passed_checks(instance, "adapter_checkpoint", "fullmode:0")
+        assert materializations(instance, "eval_report", "fullmode:0")

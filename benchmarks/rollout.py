@@ -9,7 +9,7 @@ episodes vs a per-episode loop.
    each row's tokens up to and including its first stop token (HF keeps padding finished rows;
    those pads are not counted). The two run interleaved, `--repeats` times each, after one
    warm-up call each; throughput is total tokens / total seconds.
-2. Multi-turn on `tiny` (the figure) and, for reference, one repeat on SmolLM2
+2. Multi-turn on `tiny` (the figure) and, for reference, half as many episodes once on SmolLM2
    (`guess_number`, episodes of uneven length: 2..6 guesses allowed, replies end at
    a stop token or max_new_tokens): `run_episodes` (all episodes batched across turns) vs the
    loop a user would write: one episode at a time, `model.generate` per turn on the re-rendered
@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
         decode[name] = 2 * row["params"] * row["ours_tok_s"] / 1e9
         if name == "tiny" or not args.skip_multiturn_smollm2:
             # the figure is on tiny; SmolLM2 (one repeat: its per-episode loop is slow) for reference
-            m = multi_turn(name, model, tok, args.episodes, args.turn_tokens, args.repeats if name == "tiny" else 1)
+            n, reps = (args.episodes, args.repeats) if name == "tiny" else (max(4, args.episodes // 2), 1)
+            m = multi_turn(name, model, tok, n, args.turn_tokens, reps)
             multis.append(m)
             print(f"  multi-turn {name}: ours {m['ours_tok_s']:.0f} tok/s, loop {m['loop_tok_s']:.0f}"
                   " tok/s", flush=True)

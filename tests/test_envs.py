@@ -170,7 +170,7 @@ def test_race_env_against_scripted_players():
     for me in ("random", "optimal"):
         total = 0
         for seed in range(200):
-            env = RaceEnv(seat="a", opponent="greedy")
+            env = RaceEnv(seat="b", opponent="greedy")
             env.reset(seed)
             rng = random.Random(seed)
             while True:
@@ -181,7 +181,7 @@ def test_race_env_against_scripted_players():
                     assert r.reward == (1.0 if r.info["win"] else -1.0)
                     break
         wins[me] = total / 200
-    assert wins["optimal"] > 0.85 and wins["random"] < 0.45
+    assert wins["optimal"] > 0.8 and wins["random"] < 0.5
     env = RaceEnv(seat="b")
     opening = env.reset(0)
     assert [m["role"] for m in opening] == ["system", "user"] and "Opponent adds" in opening[1]["content"]

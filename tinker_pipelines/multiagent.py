@@ -254,11 +254,13 @@ class MultiAgentTrainer:
         self.iteration = iteration + 1
         return metrics
 
-    def evaluate(self, seat: str, make_env: Callable[[], Env], seeds: list[int],
-                 key: str = "win") -> float:
-        """Mean `info[key]` of greedy episodes of `seat`'s agent in single-agent envs (e.g. against
-        a scripted opponent: `envs.two_agent.RaceEnv(seat=..., opponent='greedy')`)."""
+    def evaluate(self, seat: str, make_env: Callable[[], Env], seeds: list[int], key: str = "win",
+                 temperature: float = 0.0, seed: int = 0) -> float:
+        """Mean `info[key]` of `seat`'s agent's episodes in single-agent envs (e.g. against a
+        scripted opponent: `envs.two_agent.RaceEnv(seat=..., opponent='greedy')`); greedy by
+        default, else sampled at `temperature` with a generator seeded from `seed`."""
         self.learners[seat].activate()
-        cfg = RolloutConfig(self.cfg.max_new_tokens, 0.0, self.cfg.max_turns)
-        trajs = run_episodes(self.sampler, self.tokenizer, [make_env() for _ in seeds], seeds, cfg)
+        cfg = RolloutConfig(self.cfg.max_new_tokens, temperature, self.cfg.max_turns)
+        gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
+        trajs = run_episodes(self.sampler, self.tokenizer, [make_env() for _ in seeds], seeds, cfg, gen)
         return statistics.fmean(float(t.info.get(key, 0.0)) for t in trajs)

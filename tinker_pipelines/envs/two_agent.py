@@ -66,14 +66,18 @@ class TwoAgentGame(ABC):
 
 
 class RaceGame(TwoAgentGame):
-    """Race to `target`, adding 1..`max_add` per move; seat 'a' moves first from a seeded start."""
+    """Race to `target`, adding 1..`max_add` per move; seat 'a' moves first from a seeded start.
 
-    def __init__(self, target: int = 10, max_add: int = 3, max_start: int = 5):
+    The start total is drawn from 0..`max_start` so that, with `balanced`, the first mover faces a
+    lost position (against perfect play) in half of the games: both seats can win and must learn.
+    """
+
+    def __init__(self, target: int = 10, max_add: int = 3, max_start: int = 6, balanced: bool = True):
         if max_add < 1 or target < 2:
             raise ValueError(f"env.kwargs: need max_add >= 1 and target >= 2, got {max_add}, {target}")
         if not 0 <= max_start < target - max_add:
             raise ValueError(f"env.kwargs.max_start must be in [0, target - max_add), got {max_start}")
-        self.target, self.max_add, self.max_start = target, max_add, max_start
+        self.target, self.max_add, self.max_start, self.balanced = target, max_add, max_start, balanced
         self.total: int | None = None
         self.done = True
         self._to_move = "a"
@@ -84,7 +88,13 @@ class RaceGame(TwoAgentGame):
 
     def reset(self, seed: int | None = None) -> dict[str, Observation]:
         self._seed = seed if seed is not None else random.randrange(2**31)
-        self.total = random.Random(self._seed).randint(0, self.max_start)
+        rng = random.Random(self._seed)
+        starts = list(range(self.max_start + 1))
+        if self.balanced:
+            lost = [t for t in starts if (self.target - t) % (self.max_add + 1) == 0]
+            won = [t for t in starts if t not in lost]
+            starts = lost if lost and won and rng.random() < 0.5 else won or lost
+        self.total = rng.choice(starts)
         self.done, self._to_move, self.moves = False, "a", []
         system = {"role": "system", "content": self.rules()}
         return {"a": [system, {"role": "user", "content": f"Total is {self.total}. Your move."}], "b": [system]}
@@ -206,15 +216,15 @@ class RaceEnv(VersusScripted):
     """`RaceGame`, one seat against a scripted player ('random', 'greedy' or 'optimal')."""
 
     def __init__(self, seat: str = "a", opponent: str = "greedy", target: int = 10, max_add: int = 3,
-                 max_start: int = 5):
+                 max_start: int = 6, balanced: bool = True):
         if opponent not in SCRIPTED_PLAYERS:
             raise ValueError(f"env.kwargs.opponent must be one of {', '.join(SCRIPTED_PLAYERS)}, got {opponent!r}")
-        super().__init__(RaceGame(target, max_add, max_start), seat, SCRIPTED_PLAYERS[opponent])
+        super().__init__(RaceGame(target, max_add, max_start, balanced), seat, SCRIPTED_PLAYERS[opponent])
 
     @staticmethod
     def sft_examples(n: int, seed: int = 0, **game_kwargs: Any) -> list[tuple[list, str]]:
         """Legal but random moves from both seats' points of view: the format, not the strategy."""
-        kwargs = {k: v for k, v in game_kwargs.items() if k in ("target", "max_add", "max_start")}
+        kwargs = {k: v for k, v in game_kwargs.items() if k in ("target", "max_add", "max_start", "balanced")}
         rng = random.Random(seed)
         out: list[tuple[list, str]] = []
         while len(out) < n:

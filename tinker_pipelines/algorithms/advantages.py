@@ -12,8 +12,8 @@ AdvantageFn = Callable[[torch.Tensor], torch.Tensor]
 def group_normalized(rewards_G: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """GRPO: (r - mean) / (std + eps) within the group (std with Bessel's correction).
 
-    >>> group_normalized(torch.tensor([1.0, 0.0, 0.0, 1.0])).tolist()
-    [0.8660249710083008, -0.8660249710083008, -0.8660249710083008, 0.8660249710083008]
+    >>> [round(a, 4) for a in group_normalized(torch.tensor([1.0, 0.0, 0.0, 1.0])).tolist()]
+    [0.866, -0.866, -0.866, 0.866]
     """
     return (rewards_G - rewards_G.mean()) / (rewards_G.std() + eps)
 

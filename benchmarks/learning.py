@@ -34,10 +34,11 @@ TINY = {
 SMOLLM2 = {
     "model": {"name": "smollm2-135m-instruct"},
     # Exact answers are rare at first (the model says "The answer is 16."), so a reply that merely
-    # contains the sum earns a little credit; `before`/`after` count exact answers only.
-    "env": {"path": "arithmetic", "kwargs": {"max_operand": 9, "partial_credit": 0.2}},
+    # contains the sum earns partial credit, more the shorter it is; `before`/`after` count exact
+    # answers only.
+    "env": {"path": "arithmetic", "kwargs": {"max_operand": 9, "partial_credit": 0.5}},
     "training": {"mode": "lora", "iterations": 40, "learning_rate": 3e-4, "lora_rank": 16, "lora_alpha": 32,
-                 "groups_per_batch": 8, "group_size": 8, "max_new_tokens": 12, "temperature": 0.7,
+                 "groups_per_batch": 8, "group_size": 8, "max_new_tokens": 12, "temperature": 0.8,
                  "micro_batch_size": 16},
     "eval": {"every": 10, "num_tasks": 100},
 }

@@ -50,7 +50,8 @@ def sample_problem(seed: int, max_operand: int, split: str) -> tuple[int, int]:
 
 
 class ArithmeticEnv(Env):
-    """Ask `a + b`; reward 1 for exactly the sum (stripped), plus `partial_credit` if it is merely contained."""
+    """Ask `a + b`; reward 1 for exactly the sum (stripped). A reply that merely contains the sum
+    earns `partial_credit` times the sum's share of the reply's characters (0 by default)."""
 
     def __init__(self, max_operand: int = 9, split: str = "train", partial_credit: float = 0.0,
                  question: str = "{a} + {b} = ?"):
@@ -79,7 +80,10 @@ class ArithmeticEnv(Env):
             raise RuntimeError("step() called before reset()")
         exact = exact_answer([action], answer=[self._answer])[0]
         contains = contains_answer([action], answer=[self._answer])[0]
-        reward = exact or self.partial_credit * contains
+        # Shaping for models that answer in sentences: credit for containing the sum, scaled by
+        # how much of the reply the sum is, so shorter replies earn more and uniform groups
+        # ("The answer is 16." everywhere) still carry a gradient toward the bare number.
+        reward = exact or self.partial_credit * contains * len(self._answer) / max(len(action.strip()), 1)
         return StepResult([], reward, True, {"answer": self._answer, "exact": exact, "contains": contains})
 
 

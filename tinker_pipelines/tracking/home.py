@@ -59,8 +59,8 @@ class TinkerHome:
 
 DAGSTER_YAML = """\
 # Embedded default instance (written by tinker_pipelines.tracking.home on first use).
-# One sqlite database for all event logs instead of one per run: fewer files and about a third less
-# per-run bookkeeping time. Production: see docs/dagster.production.yaml.
+# One sqlite database (WAL) for all event logs instead of one per run: fewer files and about a
+# third less per-run bookkeeping time. Production: see docs/dagster.production.yaml.
 event_log_storage:
   module: dagster._core.storage.event_log
   class: ConsolidatedSqliteEventLogStorage

@@ -53,8 +53,8 @@ TOOLS = {
 }
 RACE = {
     "sft": {"steps": 80, "batch_size": 32, "learning_rate": 3e-3, "examples": 3000},
-    "rl": {"iterations": 40, "groups_per_batch": 8, "group_size": 8, "learning_rate": 2e-2, "max_new_tokens": 3,
-           "max_turns": 8},
+    "rl": {"iterations": 40, "groups_per_batch": 8, "group_size": 8, "learning_rate": 1e-2, "max_new_tokens": 3,
+           "max_turns": 8, "kl_coef": 0.1},
     "eval_every": 10,
     "eval_tasks": 300,
     "eval_temperature": 1.0,
@@ -129,7 +129,8 @@ def run_race(seed: int) -> dict:
     sft(model, tok, RaceEnv.sft_examples(s["examples"], seed=seed), s["steps"], s["batch_size"],
         s["learning_rate"], seed, "race")
     cfg = MultiAgentConfig(seed=seed, learning_rate=r["learning_rate"], groups_per_batch=r["groups_per_batch"],
-                           group_size=r["group_size"], max_new_tokens=r["max_new_tokens"], max_turns=r["max_turns"])
+                           group_size=r["group_size"], max_new_tokens=r["max_new_tokens"], max_turns=r["max_turns"],
+                           kl_coef=r["kl_coef"])
     trainer = MultiAgentTrainer(model, tok, RaceGame, cfg)
     eval_seeds = [10_000_000 + i for i in range(RACE["eval_tasks"])]
 
@@ -155,7 +156,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["all", "tools", "race"], default="all")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--race-lr", type=float, default=RACE["rl"]["learning_rate"])
+    parser.add_argument("--race-kl", type=float, default=RACE["rl"]["kl_coef"])
     args = parser.parse_args()
+    RACE["rl"].update(learning_rate=args.race_lr, kl_coef=args.race_kl)
     torch.set_num_threads(1)
     result: dict = {}
     tools = run_tools(args.seed) if args.part in ("all", "tools") else None

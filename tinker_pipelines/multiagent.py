@@ -177,6 +177,8 @@ class MultiAgentConfig:
     max_turns: int = 8
     """Actions per seat before a game is cut off (both get 0)."""
     micro_batch_size: int = 64
+    kl_coef: float = 0.0
+    """Weight of a KL penalty to the shared base (each adapter disabled); keeps the format."""
 
 
 def seat_groups(games: list[dict[str, Trajectory]], seat: str, group_size: int) -> list[TrajectoryGroup]:
@@ -197,10 +199,10 @@ class MultiAgentTrainer:
                  make_game: Callable[[], TwoAgentGame], cfg: MultiAgentConfig = MultiAgentConfig()):
         self.cfg, self.tokenizer, self.make_game = cfg, tokenizer, make_game
         self.algorithm = get_algorithm(cfg.algorithm)
-        self.loss_cfg = LossConfig()
+        self.loss_cfg = LossConfig(kl_coef=cfg.kl_coef)
         lcfg = LearnerConfig(mode="lora", learning_rate=cfg.learning_rate, lora_rank=cfg.lora_rank,
                              lora_alpha=cfg.lora_alpha, temperature=cfg.temperature if cfg.temperature > 0 else 1.0,
-                             micro_batch_size=cfg.micro_batch_size)
+                             micro_batch_size=cfg.micro_batch_size, needs_reference=cfg.kl_coef > 0)
         self.seats = make_game().seats
         self.learners: dict[str, Learner] = {}
         model = base_model

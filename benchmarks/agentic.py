@@ -1,6 +1,6 @@
 """Agentic RL on the tiny model: tool use, and two agents trained together.
 
-    python -m benchmarks.agentic            # both parts, tiny model, CPU (~10 minutes)
+    python -m benchmarks.agentic            # both parts, tiny model, CPU (~15 min on the loaded 2-core box)
     python -m benchmarks.agentic --part race
 
 1. **Tools** (`multiply_tools`): multi-digit multiplication, "What is 347 * 829?". The tiny model
@@ -53,7 +53,7 @@ TOOLS = {
 }
 RACE = {
     "sft": {"steps": 80, "batch_size": 32, "learning_rate": 3e-3, "examples": 3000},
-    "rl": {"iterations": 40, "groups_per_batch": 8, "group_size": 8, "learning_rate": 1e-2, "max_new_tokens": 3,
+    "rl": {"iterations": 40, "groups_per_batch": 8, "group_size": 8, "learning_rate": 5e-3, "max_new_tokens": 3,
            "max_turns": 8, "kl_coef": 0.1},
     "eval_every": 10,
     "eval_tasks": 300,

@@ -20,6 +20,8 @@ def sft_checkpoint(context: dg.AssetExecutionContext, config: RLConfig, artifact
     """Full-parameter SFT of the base model on the env's demonstrations (sft.* of the config)."""
     name = check_experiment(context.partition_key)
     cfg = config.to_library_config()
+    if not context.instance.has_dynamic_partition(EXPERIMENTS.name, name):  # `dagster job execute` adds none
+        context.instance.add_dynamic_partitions(EXPERIMENTS.name, [name])
     if cfg.sft.steps < 1:
         raise dg.Failure(f"sft.steps is {cfg.sft.steps}: nothing to train (set sft.steps > 0)")
     store = artifact_store.store()

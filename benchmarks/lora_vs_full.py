@@ -31,7 +31,7 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def _one_mode(mode: str, model_name: str, batch: int, tokens: int, steps: int, queue: mp.Queue) -> None:
+def _one_mode(mode: str, model_name: str, batch: int, tokens: int, steps: int, micro: int, queue: mp.Queue) -> None:
     import torch
 
     from tinker_pipelines.algorithms import LossConfig, get_algorithm
@@ -53,7 +53,7 @@ def _one_mode(mode: str, model_name: str, batch: int, tokens: int, steps: int, q
         w = [0.0] * (prompt - 1) + [1.0] * (tokens - prompt + 1)
         datums.append(Datum(tuple(ids[:-1]), tuple(ids[1:]), tuple(w), tuple(-2.0 * x for x in w),
                             tuple((1.0 if i % 2 else -1.0) * x for x in w)))
-    learner = Learner(model, LearnerConfig(mode=mode, learning_rate=1e-5, micro_batch_size=batch,
+    learner = Learner(model, LearnerConfig(mode=mode, learning_rate=1e-5, micro_batch_size=micro,
                                            needs_reference=True), tok.pad_token_id)
     loss_fn, loss_cfg = get_algorithm("grpo").loss, LossConfig(kl_coef=0.05)
     times = []
@@ -68,10 +68,29 @@ def _one_mode(mode: str, model_name: str, batch: int, tokens: int, steps: int, q
                "trainable": trainable})
 
 
-def measure(mode: str, model: str, batch: int, tokens: int, steps: int) -> dict:
+def _export(model_name: str, out: str) -> None:
+    from tinker_pipelines.models import load_model
+
+    model, tok = load_model(model_name)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def export_as_directory(model_name: str, out: str) -> None:
+    """Save the model as a plain safetensors directory, in a child process: loading it from
+    there leaves no GGUF-dequantization garbage in the measured processes' resident set."""
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=_export, args=(model_name, out))
+    proc.start()
+    proc.join()
+    if proc.exitcode:
+        raise RuntimeError(f"exporting {model_name} failed (exit code {proc.exitcode})")
+
+
+def measure(mode: str, model: str, batch: int, tokens: int, steps: int, micro: int) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_one_mode, args=(mode, model, batch, tokens, steps, queue))
+    proc = ctx.Process(target=_one_mode, args=(mode, model, batch, tokens, steps, micro, queue))
     proc.start()
     result = queue.get()
     proc.join()
@@ -84,19 +103,27 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, default=2,
+                        help="sequences per forward/backward; gradients accumulate over the batch")
     args = parser.parse_args()
-    lora = measure("lora", args.model, args.batch, args.tokens, args.steps)
-    full = measure("full", args.model, args.batch, args.tokens, args.steps)
-    print(f"{args.model}, one GRPO+KL step, batch {args.batch} x {args.tokens} tokens")
-    print(f"{'mode':<6}{'trainable':>14}{'peak MB':>10}{'step s':>9}")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as model_dir:
+        export_as_directory(args.model, model_dir)
+        lora = measure("lora", model_dir, args.batch, args.tokens, args.steps, args.micro_batch)
+        full = measure("full", model_dir, args.batch, args.tokens, args.steps, args.micro_batch)
+    print(f"{args.model}, one GRPO+KL step, batch {args.batch} x {args.tokens} tokens "
+          f"(micro-batches of {args.micro_batch})")
+    print(f"{'mode':<6}{'trainable':>14}{'loaded MB':>11}{'peak MB':>10}{'step s':>9}")
     for r in (lora, full):
-        print(f"{r['mode']:<6}{r['trainable']:>14,}{r['peak_mb']:>10.0f}{r['step_s']:>9.2f}")
+        print(f"{r['mode']:<6}{r['trainable']:>14,}{r['after_load_mb']:>11.0f}{r['peak_mb']:>10.0f}{r['step_s']:>9.2f}")
     memory_ratio, time_ratio = lora["peak_mb"] / full["peak_mb"], lora["step_s"] / full["step_s"]
     print(f"LoRA / full: memory {memory_ratio:.2f}x (goal <= 0.6), time {time_ratio:.2f}x (goal <= 0.7)")
     print(json.dumps({"memory_ratio": round(memory_ratio, 3), "time_ratio": round(time_ratio, 3),
                       "lora_peak_mb": round(lora["peak_mb"]), "full_peak_mb": round(full["peak_mb"]),
                       "lora_step_s": round(lora["step_s"], 3), "full_step_s": round(full["step_s"], 3),
-                      "model": args.model, "batch": args.batch, "tokens": args.tokens}))
+                      "model": args.model, "batch": args.batch, "tokens": args.tokens,
+                      "micro_batch": args.micro_batch}))
 
 
 if __name__ == "__main__":

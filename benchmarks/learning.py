@@ -36,7 +36,7 @@ SMOLLM2 = {
     # Exact answers are rare at first (the model says "The answer is 16."), so a reply that merely
     # contains the sum earns partial credit, more the shorter it is; `before`/`after` count exact
     # answers only.
-    "env": {"path": "arithmetic", "kwargs": {"max_operand": 9, "partial_credit": 0.5}},
+    "env": {"path": "repeat", "kwargs": {"digits": 4, "partial_credit": 0.5}},
     "training": {"mode": "lora", "iterations": 40, "learning_rate": 3e-4, "lora_rank": 16, "lora_alpha": 32,
                  "groups_per_batch": 8, "group_size": 8, "max_new_tokens": 12, "temperature": 0.8,
                  "micro_batch_size": 16},
@@ -66,7 +66,7 @@ def run(model: str, algorithm: str, iterations: int | None, seed: int) -> dict:
     print()
     print(f"{'model':<24}{'algorithm':<12}{'before':>8}{'after':>8}{'gain':>8}{'minutes':>9}")
     print(f"{model:<24}{algorithm:<12}{before:>8.3f}{after:>8.3f}{after - before:>+8.3f}{minutes:>9.1f}")
-    return {"task": "arithmetic", "model": model, "algorithm": algorithm, "before": before, "after": after,
+    return {"task": cfg.env.path, "model": model, "algorithm": algorithm, "before": before, "after": after,
             "gain": after - before, "minutes": round(minutes, 2), "iterations": cfg.training.iterations,
             "curve": [{"iteration": i, "exact": e, "contains": c} for i, e, c in evals]}
 

@@ -42,3 +42,16 @@ def test_sft_examples_come_from_the_train_split_with_verbose_fraction():
     verbose = sum(not reply.isdigit() for _, reply in examples) / len(examples)
     assert 0.65 < verbose < 0.85
     assert sft_examples(50, seed=1) == sft_examples(50, seed=1)
+
+
+def test_repeat_env_split_and_reward():
+    from tinker_pipelines.envs.repeat import RepeatEnv
+
+    train = {RepeatEnv().reset(seed=s)[-1]["content"] for s in range(500)}
+    test = {RepeatEnv(split="test").reset(seed=s)[-1]["content"] for s in range(500)}
+    assert train and test and not train & test
+    env = RepeatEnv(partial_credit=0.5)
+    number = env.reset(seed=3)[-1]["content"].split()[-1]
+    assert env.step(number).reward == 1.0
+    env.reset(seed=3)
+    assert env.step(f"Sure: {number}").reward == pytest.approx(0.5 * 4 / 10)

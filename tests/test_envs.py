@@ -23,6 +23,7 @@ GOOD_ACTIONS = {
     "guess_number": [str(i) for i in range(1, 17)],
     "multiply_tools": [format_tool_call("calculator", {"expression": "12*34"}), "408"],
     "race": ["1", "2", "3"],
+    "repeat": ["1234"],
 }
 
 

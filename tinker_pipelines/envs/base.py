@@ -12,6 +12,7 @@ from tinker_pipelines.types import Observation, StepResult
 
 BUILTIN_ENVS = {
     "arithmetic": "tinker_pipelines.envs.arithmetic:ArithmeticEnv",
+    "repeat": "tinker_pipelines.envs.repeat:RepeatEnv",
     "guess_number": "tinker_pipelines.envs.guess_number:GuessNumberEnv",
     "multiply_tools": "tinker_pipelines.envs.tool_env:MultiplyEnv",
     "race": "tinker_pipelines.envs.two_agent:RaceEnv",

@@ -1,7 +1,7 @@
-"""Does the policy learn? Held-out exact-answer rate before vs after RL on `arithmetic`.
+"""Does the policy learn? Held-out exact-answer rate before vs after RL.
 
-    python -m benchmarks.learning                                   # tiny: SFT warm start, then GRPO
-    python -m benchmarks.learning --model smollm2-135m-instruct     # GRPO-LoRA, no SFT
+    python -m benchmarks.learning                                   # tiny on `arithmetic`: SFT, then GRPO
+    python -m benchmarks.learning --model smollm2-135m-instruct     # GRPO-LoRA on `repeat`, no SFT
     python -m benchmarks.learning --algorithm ppo                   # any registered RL algorithm
 
 `before` is the held-out rate of the starting checkpoint (the SFT checkpoint for tiny, the
@@ -33,6 +33,9 @@ TINY = {
 
 SMOLLM2 = {
     "model": {"name": "smollm2-135m-instruct"},
+    # SmolLM2 knows the number ("Sure! The number is 4821.") but rarely replies with it bare:
+    # exact 0.04, contains 1.00 at the start. (On `arithmetic` it almost never samples a bare
+    # sum, and 40 iterations of this recipe left its exact rate at 0.)
     # Exact answers are rare at first (the model says "The answer is 16."), so a reply that merely
     # contains the sum earns partial credit, more the shorter it is; `before`/`after` count exact
     # answers only.

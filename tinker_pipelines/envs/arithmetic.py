@@ -78,13 +78,20 @@ class ArithmeticEnv(Env):
     def step(self, action: str) -> StepResult:
         if self._answer is None:
             raise RuntimeError("step() called before reset()")
-        exact = exact_answer([action], answer=[self._answer])[0]
-        contains = contains_answer([action], answer=[self._answer])[0]
-        # Shaping for models that answer in sentences: credit for containing the sum, scaled by
-        # how much of the reply the sum is, so shorter replies earn more and uniform groups
-        # ("The answer is 16." everywhere) still carry a gradient toward the bare number.
-        reward = exact or self.partial_credit * contains * len(self._answer) / max(len(action.strip()), 1)
-        return StepResult([], reward, True, {"answer": self._answer, "exact": exact, "contains": contains})
+        return score_reply(action, self._answer, self.partial_credit)
+
+
+def score_reply(action: str, answer: str, partial_credit: float) -> StepResult:
+    """The final step of a bare-answer task: 1 for exactly `answer`, else partial credit.
+
+    Shaping for models that answer in sentences: a reply containing the answer earns
+    `partial_credit` scaled by the answer's share of the reply, so shorter replies earn more and
+    uniform groups ("The answer is 16." everywhere) still carry a gradient toward the bare answer.
+    """
+    exact = exact_answer([action], answer=[answer])[0]
+    contains = contains_answer([action], answer=[answer])[0]
+    reward = exact or partial_credit * contains * len(answer) / max(len(action.strip()), 1)
+    return StepResult([], reward, True, {"answer": answer, "exact": exact, "contains": contains})
 
 
 def prompt_messages(question: str) -> list[Message]:

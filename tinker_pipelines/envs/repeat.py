@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import zlib
 
-from tinker_pipelines.envs.arithmetic import SYSTEM_PROMPT, contains_answer, exact_answer, prompt_messages
+from tinker_pipelines.envs.arithmetic import SYSTEM_PROMPT, prompt_messages, score_reply
 from tinker_pipelines.envs.base import Env
 from tinker_pipelines.types import Observation, StepResult
 
@@ -33,11 +33,8 @@ class RepeatEnv(Env):
     def step(self, action: str) -> StepResult:
         if self._answer is None:
             raise RuntimeError("step() called before reset()")
-        exact = exact_answer([action], answer=[self._answer])[0]
-        contains = contains_answer([action], answer=[self._answer])[0]
-        reward = exact or self.partial_credit * contains * len(self._answer) / max(len(action.strip()), 1)
         self._answer, answer = None, self._answer
-        return StepResult([], reward, True, {"answer": answer, "exact": exact, "contains": contains})
+        return score_reply(action, answer, self.partial_credit)
 
 
 __all__ = ["RepeatEnv", "SYSTEM_PROMPT"]

@@ -39,6 +39,8 @@ class LossConfig:
     normalization: str = "sequence"
     """'sequence': mean over each sequence's tokens, then over sequences (GRPO); 'token': mean
     over all tokens of the batch (Dr. GRPO / DAPO)."""
+    beta: float = 0.1
+    """DPO temperature: scales the log-ratio margin between chosen and rejected replies."""
 
 
 LossFn = Callable[[torch.Tensor, LossBatch, LossConfig], tuple[torch.Tensor, dict[str, float]]]

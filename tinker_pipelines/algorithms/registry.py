@@ -30,6 +30,12 @@ class Algorithm:
     """Name of the advantage estimator (see `ADVANTAGES`); None for supervised losses."""
     min_group_size: int = 1
     """Smallest group size the estimator is defined for."""
+    value_head: bool = False
+    """The learner trains a value head beside the policy and the loss reads values and returns (PPO)."""
+    pairwise: bool = False
+    """A preference loss: datums come in (chosen, rejected) pairs, rows 2i and 2i + 1 of a batch."""
+    needs_reference: bool = False
+    """The loss reads reference logprobs even without a KL penalty (DPO)."""
 
 
 ALGORITHMS: dict[str, Algorithm] = {}

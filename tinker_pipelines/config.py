@@ -121,6 +121,30 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class DPOConfig:
+    """DPO (algorithm.name: dpo): preference pairs from scored rollouts of the starting policy."""
+
+    pairs: int = 64
+    """Preference pairs to collect (tasks whose best and worst replies score differently)."""
+    group_size: int = 8
+    """Replies sampled per task to find a best and a worst one."""
+    max_rounds: int = 8
+    """Rounds of `pairs` fresh tasks to sample before settling for fewer pairs."""
+    steps: int = 20
+    """DPO optimizer steps."""
+    batch_size: int = 16
+    """Pairs per optimizer step."""
+    beta: float = 0.1
+    """DPO temperature: implicit reward = beta * (policy - reference) sequence logprob."""
+
+    def validate(self) -> None:
+        for name in ("pairs", "max_rounds", "steps", "batch_size"):
+            _require(getattr(self, name) >= 1, f"dpo.{name}", "must be >= 1", getattr(self, name))
+        _require(self.group_size >= 2, "dpo.group_size", "must be >= 2 (a best and a worst reply)", self.group_size)
+        _require(self.beta > 0 and math.isfinite(self.beta), "dpo.beta", "must be positive", self.beta)
+
+
+@dataclass(frozen=True)
 class Config:
     """A whole experiment."""
 
@@ -134,6 +158,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
     def validate(self) -> "Config":
         """Check everything that can be checked without loading a model."""
@@ -157,6 +182,7 @@ class Config:
         _require(a.normalization in ("sequence", "token"), "algorithm.normalization",
                  "must be 'sequence' or 'token'", a.normalization)
         _require(a.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0", a.kl_coef)
+        self.dpo.validate()
         check_model_name(self.model.name)
         self.env.spec().resolve()
         return self

@@ -104,10 +104,12 @@ class Experiment:
     def start_rl(self, adapter_path: str | Path | None = None) -> Learner:
         """Build the RL learner over the (possibly warm-started) base model."""
         t = self.cfg.training
+        # A pairwise loss sees whole (chosen, rejected) pairs only: micro-batches hold an even count.
+        mb = max(2, t.micro_batch_size - t.micro_batch_size % 2) if self.algorithm.pairwise else t.micro_batch_size
         lcfg = LearnerConfig(mode=t.mode, learning_rate=t.learning_rate, lora_rank=t.lora_rank,
                              lora_alpha=t.lora_alpha, grad_clip=t.grad_clip, temperature=t.temperature,
-                             micro_batch_size=t.micro_batch_size,
-                             needs_reference=self.cfg.algorithm.kl_coef > 0)
+                             micro_batch_size=mb,
+                             needs_reference=self.cfg.algorithm.kl_coef > 0 or self.algorithm.needs_reference)
         self.learner = Learner(self.base_model, lcfg, self.tokenizer.pad_token_id,
                                base_name=self.cfg.model.name, adapter_path=adapter_path)
         return self.learner
@@ -197,6 +199,10 @@ def train(cfg: Config, on_iteration: Callable[[dict[str, float]], None] | None =
     Writes `metrics.jsonl`, `sft/` (the warm-started model) and `checkpoints/iter_XXXXX`
     under `output_dir`; with `resume`, continues from the latest checkpoint there.
     """
+    if get_algorithm(cfg.algorithm.name).pairwise:  # preference pairs instead of RL iterations
+        from tinker_pipelines.dpo import train_dpo
+
+        return train_dpo(cfg, on_iteration, on_sft_step, resume)
     out = Path(cfg.output_dir)
     ckpt_dir = out / "checkpoints"
     exp = Experiment(cfg)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinker_pipelines.algorithms.advantages import ADVANTAGES
+from tinker_pipelines.algorithms.dpo import dpo_loss
 from tinker_pipelines.algorithms.losses import (
     LossFn,
     grpo_loss,
@@ -62,3 +63,4 @@ register_algorithm(Algorithm("importance_sampling", importance_sampling_loss, "g
 register_algorithm(Algorithm("ppo", ppo_loss, "group_centered", 2))
 register_algorithm(Algorithm("grpo", grpo_loss, "group_normalized", 2))
 register_algorithm(Algorithm("rloo", importance_sampling_loss, "leave_one_out", 2))
+register_algorithm(Algorithm("dpo", dpo_loss, None, pairwise=True, needs_reference=True))

@@ -33,17 +33,58 @@ def test_importance_sampling_loss_and_gradient():
     assert lp.grad.tolist()[0] == pytest.approx([0.0, -1.0, 1.0])
 
 
-def test_ppo_clips_ratio_outside_band():
+def test_dr_grpo_clips_ratio_outside_band():
     old = torch.zeros(1, 3)
     lp = torch.tensor([[0.0, math.log(1.5), math.log(0.5)]], requires_grad=True)
     adv = torch.tensor([[0.0, 1.0, -1.0]])
-    loss, m = get_algorithm("ppo").loss(lp, _batch(behaviour_logprobs_BT=old, advantages_BT=adv),
-                                        LossConfig(clip_eps=0.2, normalization="token"))
+    loss, m = get_algorithm("dr_grpo").loss(lp, _batch(behaviour_logprobs_BT=old, advantages_BT=adv),
+                                            LossConfig(clip_eps=0.2, normalization="token"))
     # token 1: min(1.5, 1.2) * 1 = 1.2 ; token 2: min(0.5*-1, 0.8*-1) = -0.8 -> -(1.2 - 0.8)/2
     assert loss.item() == pytest.approx(-0.2)
     assert m["clip_fraction"] == pytest.approx(1.0)
     loss.backward()
     assert lp.grad.abs().sum().item() == 0.0  # both clipped: no gradient
+
+
+def test_ppo_adds_clipped_value_loss():
+    old_lp = torch.zeros(1, 3)
+    lp = torch.zeros(1, 3, requires_grad=True)
+    adv = torch.tensor([[0.0, 1.0, -1.0]])
+    values = torch.tensor([[5.0, 1.0, 0.0]], requires_grad=True)
+    batch = _batch(behaviour_logprobs_BT=old_lp, advantages_BT=adv, values_BT=values,
+                   old_values_BT=torch.tensor([[0.0, 0.5, 0.0]]), returns_BT=torch.tensor([[0.0, 0.0, 2.0]]))
+    cfg = LossConfig(normalization="token", vf_coef=0.5, value_clip=0.2)
+    loss, m = get_algorithm("ppo").loss(lp, batch, cfg)
+    # policy: ratio 1, -(1 - 1)/2 = 0. value, token 1: v=1, clipped 0.7, R=0 -> max(1, 0.49) = 1;
+    # token 2: v=0, R=2 -> max(4, 4) = 4; 0.5 * mean(1, 4) = 1.25; the prompt position is ignored.
+    assert m["policy_loss"] == pytest.approx(0.0, abs=1e-7)
+    assert m["value_loss"] == pytest.approx(1.25)
+    assert loss.item() == pytest.approx(0.5 * 1.25)
+    loss.backward()
+    # d/dv of 0.5 * 0.5 * mean((v - R)^2) = 0.5 * (v - R) / 2 on the unclipped branch
+    assert values.grad.tolist()[0] == pytest.approx([0.0, 0.25, -0.5])
+    # explained variance: returns (0, 2), residuals (-1, 2): 1 - 2.25 / 1
+    assert m["explained_variance"] == pytest.approx(-1.25)
+
+
+def test_ppo_value_clip_stops_the_gradient_of_far_values():
+    values = torch.tensor([[0.0, 1.0, 0.0]], requires_grad=True)
+    batch = _batch(behaviour_logprobs_BT=torch.zeros(1, 3), advantages_BT=torch.zeros(1, 3), values_BT=values,
+                   old_values_BT=torch.tensor([[0.0, 0.0, 0.0]]), returns_BT=torch.tensor([[0.0, 3.0, 0.0]]))
+    loss, _ = get_algorithm("ppo").loss(torch.zeros(1, 3), batch, LossConfig(normalization="token", value_clip=0.2))
+    loss.backward()
+    # token 1: unclipped (1-3)^2 = 4 < clipped (0.2-3)^2 = 7.84: the clipped branch, constant in v
+    assert values.grad.abs().sum().item() == 0.0
+    loss, _ = get_algorithm("ppo").loss(torch.zeros(1, 3), batch, LossConfig(normalization="token", value_clip=0.0))
+    values.grad = None
+    loss.backward()
+    assert values.grad[0, 1].item() != 0.0
+
+
+def test_ppo_without_values_names_what_is_missing():
+    batch = _batch(behaviour_logprobs_BT=torch.zeros(1, 3), advantages_BT=torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="values_BT"):
+        get_algorithm("ppo").loss(torch.zeros(1, 3), batch, LossConfig())
 
 
 def test_grpo_sequence_normalisation_and_kl():

@@ -62,6 +62,16 @@ class AlgorithmConfig:
     """'k1' or 'k3'."""
     normalization: str = "sequence"
     """'sequence' (GRPO) or 'token' (Dr. GRPO / DAPO) loss averaging."""
+    gamma: float = 1.0
+    """PPO: discount per policy token in GAE, in [0, 1]."""
+    gae_lambda: float = 0.95
+    """PPO: GAE lambda in [0, 1] (0: one-step TD, 1: Monte Carlo returns)."""
+    vf_coef: float = 0.1
+    """PPO: weight of the value loss next to the policy loss (>= 0)."""
+    value_clip: float = 0.2
+    """PPO: new values further than this from the scored ones get no gradient (0 disables)."""
+    whiten_advantages: bool = True
+    """PPO: scale GAE advantages to mean 0, std 1 over the batch's policy tokens."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +192,11 @@ class Config:
         _require(a.normalization in ("sequence", "token"), "algorithm.normalization",
                  "must be 'sequence' or 'token'", a.normalization)
         _require(a.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0", a.kl_coef)
+        for name in ("gamma", "gae_lambda"):
+            _require(0 <= getattr(a, name) <= 1, f"algorithm.{name}", "must be in [0, 1]", getattr(a, name))
+        for name in ("vf_coef", "value_clip"):
+            v = getattr(a, name)
+            _require(v >= 0 and math.isfinite(v), f"algorithm.{name}", "must be >= 0", v)
         self.dpo.validate()
         check_model_name(self.model.name)
         self.env.spec().resolve()

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from tinker_pipelines.algorithms.advantages import ADVANTAGES
+from tinker_pipelines.algorithms.gae import gae_over_weighted, token_rewards, whiten
 from tinker_pipelines.models import encode_chat
 from tinker_pipelines.types import Datum, Message, Trajectory, TrajectoryGroup
 
@@ -29,6 +32,69 @@ def trajectory_to_datum(trajectory: Trajectory, advantage: float) -> Datum:
     return Datum(tuple(tokens[:-1]), tuple(tokens[1:]), tuple(weights), tuple(logprobs), tuple(adv))
 
 
+def _turn_ends(trajectory: Trajectory) -> list[int]:
+    """Datum position of each turn's last sampled token (a turn that sampled nothing ends where
+    the previous one did, so its reward still lands on an action)."""
+    ends, last = [], -1
+    for turn in trajectory.turns:
+        if turn.sampled_tokens:
+            last = len(turn.prompt_tokens) - 1 + len(turn.sampled_tokens) - 1
+        ends.append(last)
+    first = next((e for e in ends if e >= 0), -1)
+    return [e if e >= 0 else first for e in ends]
+
+
+@dataclass(frozen=True)
+class CriticDatum(Datum):
+    """A datum scored with a critic (PPO): `advantages` come from GAE and the value head
+    regresses on `returns`. Sequence fields are length T, 0 where the weight is 0."""
+
+    rewards: tuple[float, ...] = ()
+    """Per-position reward: each turn's reward on its last sampled token, the final reward on the last."""
+    old_values: tuple[float, ...] = ()
+    """The value head's estimates when the batch was scored."""
+    returns: tuple[float, ...] = ()
+    """GAE returns (advantages before whitening + old values)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        T = len(self.input_tokens)
+        for name in ("rewards", "old_values", "returns"):
+            if len(getattr(self, name)) != T:
+                raise ValueError(f"CriticDatum.{name} has length {len(getattr(self, name))}, expected {T}")
+
+
+ValuesFn = Callable[[list[Datum]], list[list[float]]]
+"""The critic: per-position values of each datum (e.g. `Learner.compute_values`)."""
+
+
+def critic_datums(groups: list[TrajectoryGroup], values_fn: ValuesFn, gamma: float, lam: float,
+                  whiten_advantages: bool = True) -> list[CriticDatum]:
+    """PPO datums for every episode: per-token rewards, the critic's values, GAE advantages and
+    returns. No group baseline is used, so every group teaches (uniform rewards included)."""
+    trajs = [t for g in groups for t in g.trajectories]
+    for t in trajs:
+        if not all(math.isfinite(r) for r in (t.final_reward, *(x.reward for x in t.turns))):
+            raise ValueError(f"non-finite reward in task {t.task_id}: {t.total_reward}")
+    plain = [trajectory_to_datum(t, 0.0) for t in trajs]
+    if not plain:
+        return []
+    values = values_fn(plain)
+    rewards = [token_rewards(list(d.weights), _turn_ends(t), [x.reward for x in t.turns], t.final_reward)
+               for d, t in zip(plain, trajs)]
+    weights_T = [torch.tensor(d.weights, dtype=torch.float64) for d in plain]
+    scored = [gae_over_weighted(torch.tensor(r, dtype=torch.float64), torch.tensor(v, dtype=torch.float64) * (w != 0),
+                                w, gamma, lam)
+              for r, v, w in zip(rewards, values, weights_T)]
+    advs = [a for a, _ in scored]
+    if whiten_advantages:
+        advs = whiten(advs, weights_T)
+    return [CriticDatum(d.input_tokens, d.target_tokens, d.weights, d.behaviour_logprobs, tuple(a.tolist()),
+                        tuple(r), tuple((torch.tensor(v, dtype=torch.float64) * (w != 0)).tolist()),
+                        tuple(ret.tolist()))
+            for d, a, r, v, w, (_, ret) in zip(plain, advs, rewards, values, weights_T, scored)]
+
+
 def group_advantages(groups: list[TrajectoryGroup], estimator: str) -> list[list[float]]:
     """Per-episode advantages for each group; raises on a non-finite reward."""
     out = []
@@ -42,6 +108,9 @@ def group_advantages(groups: list[TrajectoryGroup], estimator: str) -> list[list
 
 def rl_datums(groups: list[TrajectoryGroup], estimator: str, skip_uniform: bool = True) -> list[Datum]:
     """Datums for every episode; groups whose rewards are all equal teach nothing and are skipped."""
+    if estimator not in ADVANTAGES:
+        raise ValueError(f"advantage estimator {estimator!r} is not a group estimator ({', '.join(ADVANTAGES)}); "
+                         "value-head algorithms (ppo) score with `critic_datums`")
     datums = []
     for group, advs in zip(groups, group_advantages(groups, estimator)):
         if skip_uniform and len(set(group.rewards)) == 1:

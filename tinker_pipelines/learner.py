@@ -2,6 +2,9 @@
 
 `forward_backward(datums, loss)` accumulates gradients, `optim_step()` applies them,
 `save_state` / `load_state` write and restore a checkpoint that resumes bit-for-bit.
+Algorithms with a critic (PPO) get a value head: a linear map from the last layer's hidden state
+to one value per position, computed in the same forward as the logprobs and trained by the
+same optimizer; it is saved as `value_head.safetensors` next to the adapter or weights.
 Under LoRA the KL reference is the same base with the adapter disabled, never a second copy;
 full-parameter training keeps a frozen copy only when a KL penalty needs one.
 """
@@ -16,7 +19,7 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from tinker_pipelines import checkpoint as ckpt
@@ -50,6 +53,8 @@ class LearnerConfig:
     """Sequences per forward pass; gradients accumulate across micro-batches."""
     needs_reference: bool = False
     """Whether losses get reference logprobs (a KL penalty is on)."""
+    value_head: bool = False
+    """Train a value head beside the policy (the algorithm is registered with value_head=True)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("lora", "full"):
@@ -62,6 +67,23 @@ class LearnerConfig:
             raise ValueError(f"training.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.temperature <= 0:
             raise ValueError(f"training.temperature must be positive for training, got {self.temperature}")
+
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+class ValueHead(torch.nn.Module):
+    """One scalar per position from the policy's final hidden state. Starts at zero, so the first
+    values are 0 whatever the seed and the critic learns from the returns it sees."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden_BTH.float()).squeeze(-1)
 
 
 @dataclass
@@ -78,14 +100,14 @@ def pad_datums(datums: list[Datum], pad_token_id: int) -> _Padded:
     inputs = torch.full((B, T), pad_token_id, dtype=torch.long)
     targets = torch.zeros((B, T), dtype=torch.long)
     mask = torch.zeros((B, T), dtype=torch.long)
-    fields = {k: torch.zeros((B, T)) for k in ("weights", "behaviour_logprobs", "advantages")}
+    fields = {k: torch.zeros((B, T)) for k in ("weights", "behaviour_logprobs", "advantages", "old_values", "returns")}
     for i, d in enumerate(datums):
         n = len(d.input_tokens)
         inputs[i, :n] = torch.tensor(d.input_tokens)
         targets[i, :n] = torch.tensor(d.target_tokens)
         mask[i, :n] = 1
         for k in fields:
-            if getattr(d, k):
+            if getattr(d, k, ()):
                 fields[k][i, :n] = torch.tensor(getattr(d, k))
     return _Padded(inputs, targets, mask, fields)
 
@@ -132,6 +154,11 @@ class Learner:
                 self.reference = copy.deepcopy(base_model).eval().requires_grad_(False)
             self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.model.eval()  # no dropout: sampling and training see the same function
+        self.value_head: ValueHead | None = None
+        if cfg.value_head:
+            device = next(self.model.parameters()).device
+            self.value_head = ValueHead(self.model.config.hidden_size).to(device)
+            self.params += list(self.value_head.parameters())
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
         self.steps = 0
@@ -142,18 +169,29 @@ class Learner:
             self.model.set_adapter(self.adapter_name)
 
     def _logprobs(self, model: torch.nn.Module, padded: _Padded, only_weighted: bool = True) -> torch.Tensor:
-        """Logprobs of the targets, [B, T]. With `only_weighted`, the output layer runs only from
-        the first weighted position on (prompts carry no loss; at a 49k vocabulary the output
-        layer and its softmax are a large share of the step); earlier positions read 0."""
+        """Logprobs of the targets, [B, T] (see `_forward`)."""
+        return self._forward(model, padded, only_weighted)[0]
+
+    def _forward(self, model: torch.nn.Module, padded: _Padded, only_weighted: bool = True,
+                 values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs of the targets and, with `values`, the value head's values, both [B, T]. With
+        `only_weighted`, the output layer and the value head run only from the first weighted
+        position on (prompts carry no loss; at a 49k vocabulary the output layer and its softmax
+        are a large share of the step); earlier positions read 0."""
         B, T = padded.inputs_BT.shape
         start = 0
         if only_weighted:
             weighted_B = padded.fields["weights"].ne(0).float().argmax(dim=1)
             start = int(weighted_B.min()) if padded.fields["weights"].any() else 0
-        logits_BKV = model(input_ids=padded.inputs_BT, attention_mask=padded.mask_BT, logits_to_keep=T - start).logits
-        logprobs_BKV = torch.log_softmax(logits_BKV.float() / self.cfg.temperature, dim=-1)
+        out = model(input_ids=padded.inputs_BT, attention_mask=padded.mask_BT, logits_to_keep=T - start,
+                    output_hidden_states=values)
+        logprobs_BKV = torch.log_softmax(out.logits.float() / self.cfg.temperature, dim=-1)
         lp_BK = logprobs_BKV.gather(-1, padded.targets_BT[:, start:, None]).squeeze(-1)
-        return torch.nn.functional.pad(lp_BK, (start, 0)) if start else lp_BK
+        v_BK = self.value_head(out.hidden_states[-1][:, start:]) if values else None
+        if start:
+            lp_BK = torch.nn.functional.pad(lp_BK, (start, 0))
+            v_BK = torch.nn.functional.pad(v_BK, (start, 0)) if values else None
+        return lp_BK, v_BK
 
     @torch.no_grad()
     def reference_logprobs(self, padded: _Padded) -> torch.Tensor:
@@ -174,6 +212,21 @@ class Learner:
         lp_BT = self._logprobs(self.model, padded, only_weighted=False)
         return [lp_BT[i, : len(d.input_tokens)].tolist() for i, d in enumerate(datums)]
 
+    @torch.no_grad()
+    def compute_values(self, datums: list[Datum]) -> list[list[float]]:
+        """The value head's estimate at every position, per datum (0 before the first weighted
+        position of the micro-batch)."""
+        if self.value_head is None:
+            raise RuntimeError("this learner has no value head (LearnerConfig.value_head=False)")
+        self.activate()
+        out: list[list[float]] = []
+        mb = self.cfg.micro_batch_size
+        for start in range(0, len(datums), mb):
+            chunk = datums[start:start + mb]
+            _, v_BT = self._forward(self.model, pad_datums(chunk, self.pad_token_id), values=True)
+            out += [v_BT[i, : len(d.input_tokens)].tolist() for i, d in enumerate(chunk)]
+        return out
+
     def forward_backward(self, datums: list[Datum], loss_fn: LossFn,
                          loss_cfg: LossConfig = LossConfig()) -> dict[str, float]:
         """Accumulate the gradient of `loss_fn` over `datums`; returns averaged metrics."""
@@ -188,8 +241,11 @@ class Learner:
             padded = pad_datums(chunk, self.pad_token_id)
             weights_BT = padded.fields["weights"]
             ref_BT = self.reference_logprobs(padded) if self.cfg.needs_reference else None
-            batch = LossBatch(weights_BT, padded.fields["behaviour_logprobs"], padded.fields["advantages"], ref_BT)
-            lp_BT = self._logprobs(self.model, padded)
+            lp_BT, values_BT = self._forward(self.model, padded, values=self.value_head is not None)
+            critic = {"values_BT": values_BT, "old_values_BT": padded.fields["old_values"],
+                      "returns_BT": padded.fields["returns"]} if values_BT is not None else {}
+            batch = LossBatch(weights_BT, padded.fields["behaviour_logprobs"], padded.fields["advantages"], ref_BT,
+                              **critic)
             loss, metrics = loss_fn(lp_BT, batch, loss_cfg)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss {loss.item()} at learner step {self.steps}")
@@ -225,6 +281,9 @@ class Learner:
                 self.model.peft_config[self.adapter_name].save_pretrained(str(tmp))
             else:
                 self.model.save_pretrained(str(tmp))
+            if self.value_head is not None:
+                save_file({k: v.contiguous() for k, v in self.value_head.state_dict().items()},
+                          str(tmp / VALUE_HEAD_FILE))
             torch.save({"optimizer": self.optimizer.state_dict(), "steps": self.steps}, tmp / "optimizer.pt")
             torch.save({**ckpt.rng_state(), **(extra_rng or {})}, tmp / "rng.pt")
             full = {"mode": self.cfg.mode, "base_model": self.base_name, "learner": asdict(self.cfg),
@@ -238,8 +297,10 @@ class Learner:
         record = ckpt.read_record(path)
         if record.get("mode") != self.cfg.mode:
             raise ValueError(f"checkpoint {path} was trained with mode={record.get('mode')!r}, not {self.cfg.mode!r}")
-        from safetensors.torch import load_file
-
+        if self.value_head is not None:
+            if not (path / VALUE_HEAD_FILE).exists():
+                raise ValueError(f"checkpoint {path} has no {VALUE_HEAD_FILE}, but this learner trains a value head")
+            self.value_head.load_state_dict(load_file(str(path / VALUE_HEAD_FILE)))
         if self.cfg.mode == "lora":
             from peft import set_peft_model_state_dict
 

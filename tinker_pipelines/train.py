@@ -21,12 +21,12 @@ from tinker_pipelines.algorithms.losses import LossConfig
 from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.config import Config, ConfigError, config_to_dict
 from tinker_pipelines.checkpoint import seed_everything
-from tinker_pipelines.datums import rl_datums, sft_datum
+from tinker_pipelines.datums import critic_datums, rl_datums, sft_datum
 from tinker_pipelines.learner import Learner, LearnerConfig
 from tinker_pipelines.models import load_model, stop_token_ids
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes, run_groups
 from tinker_pipelines.rollout.sampler import Sampler
-from tinker_pipelines.types import TrajectoryGroup
+from tinker_pipelines.types import Datum, TrajectoryGroup
 
 EVAL_SEED_OFFSET = 10_000_000
 
@@ -73,8 +73,10 @@ class Experiment:
         self.base_model, self.tokenizer = model, tokenizer
         self.learner: Learner | None = None
         self.iteration = 0
-        self.loss_cfg = LossConfig(cfg.algorithm.clip_eps, cfg.algorithm.kl_coef,
-                                   cfg.algorithm.kl_estimator, cfg.algorithm.normalization)
+        a = cfg.algorithm
+        self.loss_cfg = LossConfig(a.clip_eps, a.kl_coef, a.kl_estimator, a.normalization, gamma=a.gamma,
+                                   gae_lambda=a.gae_lambda, vf_coef=a.vf_coef, value_clip=a.value_clip,
+                                   whiten_advantages=a.whiten_advantages)
         self.rollout_cfg = RolloutConfig(cfg.training.max_new_tokens, cfg.training.temperature,
                                          cfg.training.max_turns)
 
@@ -109,7 +111,8 @@ class Experiment:
         lcfg = LearnerConfig(mode=t.mode, learning_rate=t.learning_rate, lora_rank=t.lora_rank,
                              lora_alpha=t.lora_alpha, grad_clip=t.grad_clip, temperature=t.temperature,
                              micro_batch_size=mb,
-                             needs_reference=self.cfg.algorithm.kl_coef > 0 or self.algorithm.needs_reference)
+                             needs_reference=self.cfg.algorithm.kl_coef > 0 or self.algorithm.needs_reference,
+                             value_head=self.algorithm.value_head)
         self.learner = Learner(self.base_model, lcfg, self.tokenizer.pad_token_id,
                                base_name=self.cfg.model.name, adapter_path=adapter_path)
         return self.learner
@@ -134,13 +137,24 @@ class Experiment:
         metrics["time/rollout_s"] = time.perf_counter() - start
         return RolloutStats(groups, metrics)
 
+    def score(self, groups: list[TrajectoryGroup]) -> list[Datum]:
+        """Training datums with advantages: the algorithm's group estimator (groups with uniform
+        rewards dropped), or for a value-head algorithm (PPO) the critic's values at sampling
+        time and GAE advantages and returns over every episode (`CriticDatum`)."""
+        if self.learner is None:
+            self.start_rl()
+        if self.algorithm.value_head:
+            c = self.loss_cfg
+            return critic_datums(groups, self.learner.compute_values, c.gamma, c.gae_lambda, c.whiten_advantages)
+        return rl_datums(groups, self.algorithm.advantages)
+
     def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         """Advantages, one forward/backward over all informative episodes, one optimizer step."""
         if self.learner is None:
             self.start_rl()
         start = time.perf_counter()
-        datums = rl_datums(groups, self.algorithm.advantages)
-        metrics: dict[str, float] = {"informative_groups": float(len(datums) // max(1, self.cfg.training.group_size))}
+        datums = self.score(groups)
+        metrics: dict[str, float] = {"informative_groups": float(sum(len(set(g.rewards)) > 1 for g in groups))}
         if datums:  # when every group's rewards are uniform there is no gradient: skip the step
             metrics.update(self.learner.forward_backward(datums, self.algorithm.loss, self.loss_cfg))
             metrics.update(self.learner.optim_step())

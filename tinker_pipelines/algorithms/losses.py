@@ -1,7 +1,8 @@
 """Losses: pure functions `loss(logprobs_BT, batch, cfg) -> (loss, metrics)`.
 
 `logprobs_BT` are the current policy's logprobs of the targets; `batch` carries the loss mask,
-behaviour logprobs, advantages and (when a KL penalty is on) reference logprobs, all [B, T].
+behaviour logprobs, advantages, (when a KL penalty is on) reference logprobs and (for PPO) the
+value head's values, the values at sampling time and the GAE returns, all [B, T].
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ class LossBatch:
     """Advantage of each token."""
     ref_logprobs_BT: torch.Tensor | None = None
     """Logprobs under the reference policy, for the KL penalty."""
+    values_BT: torch.Tensor | None = None
+    """The value head's current estimates (with grad), for the value loss."""
+    old_values_BT: torch.Tensor | None = None
+    """Value estimates when the batch was scored (GAE's baseline; centre of the value clip)."""
+    returns_BT: torch.Tensor | None = None
+    """GAE returns (advantages + old values): the value head's regression targets."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,16 @@ class LossConfig:
     over all tokens of the batch (Dr. GRPO / DAPO)."""
     beta: float = 0.1
     """DPO temperature: scales the log-ratio margin between chosen and rejected replies."""
+    gamma: float = 1.0
+    """PPO discount per policy token in GAE."""
+    gae_lambda: float = 0.95
+    """PPO GAE lambda: 0 is one-step TD (low variance), 1 is Monte Carlo returns (no bias)."""
+    vf_coef: float = 0.1
+    """PPO weight of the value loss next to the policy loss."""
+    value_clip: float = 0.2
+    """PPO value clip: new values further than this from the scored ones get no gradient (0 disables)."""
+    whiten_advantages: bool = True
+    """PPO: scale GAE advantages to mean 0, std 1 over the batch's weighted tokens when scoring."""
 
 
 LossFn = Callable[[torch.Tensor, LossBatch, LossConfig], tuple[torch.Tensor, dict[str, float]]]
@@ -98,8 +115,9 @@ def importance_sampling_loss(logprobs_BT: torch.Tensor, batch: LossBatch,
     return _with_kl(loss, logprobs_BT, batch, cfg, metrics), metrics
 
 
-def ppo_loss(logprobs_BT: torch.Tensor, batch: LossBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate: -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)."""
+def _clipped_surrogate(logprobs_BT: torch.Tensor, batch: LossBatch,
+                       cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """-min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A), averaged by `cfg.normalization`."""
     ratio_BT = (logprobs_BT - batch.behaviour_logprobs_BT).exp()
     adv_BT = batch.advantages_BT
     surrogate_BT = torch.minimum(ratio_BT * adv_BT, ratio_BT.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv_BT)
@@ -107,12 +125,55 @@ def ppo_loss(logprobs_BT: torch.Tensor, batch: LossBatch, cfg: LossConfig) -> tu
     clipped_BT = ((ratio_BT - 1).abs() > cfg.clip_eps).float()
     metrics = {"clip_fraction": masked_mean(clipped_BT, batch.weights_BT).item(),
                "ratio_mean": masked_mean(ratio_BT.detach(), batch.weights_BT).item()}
+    return loss, metrics
+
+
+def value_loss(batch: LossBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped = V_old + clip(V - V_old, +-value_clip).
+
+    Metrics: `value_loss`, `explained_variance` (1 - Var[R - V] / Var[R] over weighted tokens;
+    1 is a perfect critic, 0 no better than a constant).
+    """
+    if batch.values_BT is None or batch.returns_BT is None or batch.old_values_BT is None:
+        raise ValueError("the value loss needs values_BT, old_values_BT and returns_BT: the algorithm must be "
+                         "registered with value_head=True and its datums scored with GAE")
+    v_BT, ret_BT, w_BT = batch.values_BT, batch.returns_BT, batch.weights_BT
+    err_BT = (v_BT - ret_BT).square()
+    if cfg.value_clip > 0:
+        v_clipped_BT = batch.old_values_BT + (v_BT - batch.old_values_BT).clamp(-cfg.value_clip, cfg.value_clip)
+        err_BT = torch.maximum(err_BT, (v_clipped_BT - ret_BT).square())
+    loss = 0.5 * masked_mean(err_BT, w_BT, cfg.normalization)
+    with torch.no_grad():
+        var_ret = masked_mean((ret_BT - masked_mean(ret_BT, w_BT)).square(), w_BT)
+        resid_BT = ret_BT - v_BT
+        var_resid = masked_mean((resid_BT - masked_mean(resid_BT, w_BT)).square(), w_BT)
+        explained = (1 - var_resid / var_ret).item() if var_ret > 1e-12 else 0.0
+    return loss, {"value_loss": loss.item(), "explained_variance": explained,
+                  "value_mean": masked_mean(v_BT.detach(), w_BT).item(),
+                  "return_mean": masked_mean(ret_BT, w_BT).item()}
+
+
+def ppo_loss(logprobs_BT: torch.Tensor, batch: LossBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO with a learned critic: the clipped surrogate on GAE advantages + `vf_coef` x the
+    clipped value loss (+ `kl_coef` x KL). The batch carries the value head's values (with grad),
+    the values when scored and the GAE returns; advantages are already whitened if configured."""
+    policy_loss, metrics = _clipped_surrogate(logprobs_BT, batch, cfg)
+    vf_loss, vf_metrics = value_loss(batch, cfg)
+    metrics.update(policy_loss=policy_loss.item(), **vf_metrics)
+    return _with_kl(policy_loss + cfg.vf_coef * vf_loss, logprobs_BT, batch, cfg, metrics), metrics
+
+
+def dr_grpo_loss(logprobs_BT: torch.Tensor, batch: LossBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """Dr. GRPO (Liu et al., 2025): the critic-free clipped surrogate on group-centred advantages
+    (no division by the group's std). Meant with `normalization: token`, so long and short
+    replies weigh per token rather than per reply (the length bias Dr. GRPO removes)."""
+    loss, metrics = _clipped_surrogate(logprobs_BT, batch, cfg)
     return _with_kl(loss, logprobs_BT, batch, cfg, metrics), metrics
 
 
 def grpo_loss(logprobs_BT: torch.Tensor, batch: LossBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO: the clipped surrogate on group-normalised advantages plus `kl_coef` * KL.
 
-    It is `ppo_loss` with GRPO's advantages; kept as its own name so configs read as papers do.
+    The same surrogate as `dr_grpo_loss`; kept as its own name so configs read as papers do.
     """
-    return ppo_loss(logprobs_BT, batch, cfg)
+    return dr_grpo_loss(logprobs_BT, batch, cfg)

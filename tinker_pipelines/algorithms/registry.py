@@ -12,6 +12,7 @@ from tinker_pipelines.algorithms.advantages import ADVANTAGES
 from tinker_pipelines.algorithms.dpo import dpo_loss
 from tinker_pipelines.algorithms.losses import (
     LossFn,
+    dr_grpo_loss,
     grpo_loss,
     importance_sampling_loss,
     ppo_loss,
@@ -28,7 +29,8 @@ class Algorithm:
     loss: LossFn
     """The loss function."""
     advantages: str | None
-    """Name of the advantage estimator (see `ADVANTAGES`); None for supervised losses."""
+    """Name of the group advantage estimator (see `ADVANTAGES`); None for supervised losses and
+    for value-head algorithms, whose advantages come from GAE over the critic's values."""
     min_group_size: int = 1
     """Smallest group size the estimator is defined for."""
     value_head: bool = False
@@ -60,7 +62,9 @@ def get_algorithm(name: str) -> Algorithm:
 
 register_algorithm(Algorithm("sft", sft_loss, None))
 register_algorithm(Algorithm("importance_sampling", importance_sampling_loss, "group_centered", 2))
-register_algorithm(Algorithm("ppo", ppo_loss, "group_centered", 2))
+# PPO scores with its critic (GAE), not a group baseline: any group size works.
+register_algorithm(Algorithm("ppo", ppo_loss, None, value_head=True))
+register_algorithm(Algorithm("dr_grpo", dr_grpo_loss, "group_centered", 2))
 register_algorithm(Algorithm("grpo", grpo_loss, "group_normalized", 2))
 register_algorithm(Algorithm("rloo", importance_sampling_loss, "leave_one_out", 2))
 register_algorithm(Algorithm("dpo", dpo_loss, None, pairwise=True, needs_reference=True))

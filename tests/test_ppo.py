@@ -1,0 +1,193 @@
+"""PPO with a learned value head: GAE, the value head in the learner, and the loop end to end."""
+
+import copy
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from peft import PeftModel
+
+from tinker_pipelines.algorithms import LossConfig, get_algorithm
+from tinker_pipelines.algorithms.gae import gae, gae_over_weighted
+from tinker_pipelines.config import ConfigError, config_from_dict
+from tinker_pipelines.datums import CriticDatum, critic_datums, trajectory_to_datum
+from tinker_pipelines.envs import EnvSpec
+from tinker_pipelines.learner import VALUE_HEAD_FILE, Learner, LearnerConfig
+from tinker_pipelines.models import stop_token_ids
+from tinker_pipelines.rollout.episodes import RolloutConfig, run_groups
+from tinker_pipelines.rollout.sampler import Sampler
+from tinker_pipelines.train import Experiment, deterministic_metrics, train
+from tinker_pipelines.types import Trajectory, TrajectoryGroup
+
+PPO = get_algorithm("ppo")
+LOSS_CFG = LossConfig(vf_coef=0.5)
+
+
+def _reference_gae(rewards, values, gamma, lam):
+    """Textbook GAE, written out: delta_t, then the discounted sum of future deltas."""
+    N = len(rewards)
+    deltas = [rewards[t] + gamma * (values[t + 1] if t + 1 < N else 0.0) - values[t] for t in range(N)]
+    adv = [sum((gamma * lam) ** (k - t) * deltas[k] for k in range(t, N)) for t in range(N)]
+    return adv, [a + v for a, v in zip(adv, values)]
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (1.0, 0.95), (0.9, 0.5), (0.99, 0.0)])
+def test_gae_matches_a_hand_written_loop(gamma, lam):
+    g = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(7, generator=g, dtype=torch.float64), torch.randn(7, generator=g, dtype=torch.float64)
+    adv, ret = gae(rewards, values, gamma, lam)
+    ref_adv, ref_ret = _reference_gae(rewards.tolist(), values.tolist(), gamma, lam)
+    assert adv.tolist() == pytest.approx(ref_adv, abs=1e-12)
+    assert ret.tolist() == pytest.approx(ref_ret, abs=1e-12)
+
+
+def test_gae_skips_prompt_and_env_positions():
+    weights = torch.tensor([0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    rewards = torch.tensor([5.0, 5.0, 0.0, 0.3, 5.0, 5.0, 1.0, 5.0])
+    values = torch.tensor([7.0, 7.0, 0.1, 0.2, 7.0, 7.0, 0.4, 7.0])
+    adv, ret = gae_over_weighted(rewards, values, weights, 0.9, 0.8)
+    ref_adv, ref_ret = _reference_gae([0.0, 0.3, 1.0], [0.1, 0.2, 0.4], 0.9, 0.8)
+    assert adv[[2, 3, 6]].tolist() == pytest.approx(ref_adv) and ret[[2, 3, 6]].tolist() == pytest.approx(ref_ret)
+    assert adv[weights == 0].abs().sum() == 0 and ret[weights == 0].abs().sum() == 0
+
+
+def _groups(model, tok, env="arithmetic", seeds=(1, 2, 3, 4), G=4, **cfg):
+    sampler = Sampler(model, tok.pad_token_id, stop_token_ids(tok))
+    groups = run_groups(sampler, tok, EnvSpec(env), list(seeds), G, RolloutConfig(**cfg), torch.Generator().manual_seed(0))
+    # A random model rarely answers right: reward reply length so returns vary.
+    return [TrajectoryGroup(tuple(Trajectory(t.turns, float(len(t.turns[-1].sampled_tokens)) / 8, t.task_id)
+                                  for t in g.trajectories)) for g in groups]
+
+
+def _ppo_learner(model, tok, mode="lora", lr=1e-2):
+    return Learner(model, LearnerConfig(mode=mode, learning_rate=lr, value_head=True), tok.pad_token_id, base_name="tiny")
+
+
+def test_critic_datums_put_rewards_on_each_turns_last_token(tiny):
+    model, tok = tiny
+    learner = _ppo_learner(model, tok)
+    groups = _groups(learner.model, tok, env="guess_number", seeds=(1, 2), max_turns=4, max_new_tokens=4)
+    datums = critic_datums(groups, learner.compute_values, 1.0, 1.0, whiten_advantages=False)
+    trajs = [t for g in groups for t in g.trajectories]
+    assert len(datums) == len(trajs) and all(isinstance(d, CriticDatum) for d in datums)
+    multi = [(d, t) for d, t in zip(datums, trajs) if len(t.turns) > 1]
+    assert multi, "expected multi-turn episodes"
+    for d, t in multi:
+        assert d.weights == trajectory_to_datum(t, 0.0).weights
+        assert sum(d.rewards) == pytest.approx(t.total_reward)
+        assert all(w or not r for w, r in zip(d.weights, d.rewards))  # rewards sit on actions only
+        # gamma = lambda = 1 with a zero-initialised critic: every action's return is the reward to go
+        first = d.weights.index(1.0)
+        assert d.returns[first] == pytest.approx(t.total_reward) and d.advantages[first] == pytest.approx(t.total_reward)
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_value_head_resumes_bit_for_bit(tiny, tmp_path, mode):
+    model, tok = tiny
+    model_b = copy.deepcopy(model)
+    a = _ppo_learner(model, tok, mode, lr=1e-3)
+    datums = critic_datums(_groups(a.model, tok), a.compute_values, 1.0, 0.95)
+    a.forward_backward(datums, PPO.loss, LOSS_CFG)
+    a.optim_step()
+    a.save_state(tmp_path / "ck", {"iteration": 1})
+    assert (tmp_path / "ck" / VALUE_HEAD_FILE).exists()
+    b = _ppo_learner(model_b, tok, mode, lr=1e-3)
+    b.load_state(tmp_path / "ck")
+    for pa, pb in zip(a.value_head.parameters(), b.value_head.parameters()):
+        assert torch.equal(pa, pb) and pa.abs().sum() > 0
+    assert a.compute_values(datums) == b.compute_values(datums)
+    ma, mb = a.forward_backward(datums, PPO.loss, LOSS_CFG), b.forward_backward(datums, PPO.loss, LOSS_CFG)
+    a.optim_step()
+    b.optim_step()
+    assert ma == mb
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a.params, b.params))
+
+
+def test_checkpoint_without_value_head_is_refused_by_a_ppo_learner(tiny, tmp_path):
+    model, tok = tiny
+    Learner(copy.deepcopy(model), LearnerConfig(mode="lora"), tok.pad_token_id).save_state(tmp_path / "ck")
+    with pytest.raises(ValueError, match=VALUE_HEAD_FILE):
+        _ppo_learner(model, tok).load_state(tmp_path / "ck")
+
+
+def test_ppo_lora_trains_value_head_and_adapter_and_loads_with_peft(tiny, tmp_path):
+    model, tok = tiny
+    pristine = copy.deepcopy(model)
+    assert Learner(copy.deepcopy(model), LearnerConfig(mode="lora"), tok.pad_token_id).value_head is None
+    learner = _ppo_learner(model, tok)
+    base_before = {n: p.detach().clone() for n, p in learner.model.named_parameters() if "lora_" not in n}
+    adapter_before = [p.detach().clone() for p in learner.params[:-2]]
+    head_before = [p.detach().clone() for p in learner.value_head.parameters()]
+    datums = critic_datums(_groups(learner.model, tok), learner.compute_values, 1.0, 0.95)
+    for _ in range(2):  # LoRA's B starts at zero, so A moves from the second step on
+        learner.forward_backward(datums, PPO.loss, LOSS_CFG)
+        learner.optim_step()
+    assert all(not torch.equal(a, b) for a, b in zip(head_before, learner.value_head.parameters()))
+    assert all(not torch.equal(a, b) for a, b in zip(adapter_before, learner.params[:-2]))
+    for n, p in learner.model.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, base_before[n]), n
+    learner.save_state(tmp_path / "ck")
+    loaded = PeftModel.from_pretrained(pristine, str(tmp_path / "ck")).eval()
+    x = torch.tensor([[1, 5, 9, 12]])
+    with torch.no_grad():
+        assert torch.allclose(loaded(x).logits, learner.model(x).logits, atol=1e-6)
+
+
+def test_value_loss_decreases_on_a_fixed_batch(tiny):
+    model, tok = tiny
+    learner = _ppo_learner(model, tok, lr=3e-3)
+    datums = critic_datums(_groups(learner.model, tok), learner.compute_values, 1.0, 1.0)
+    cfg = LossConfig(vf_coef=1.0, value_clip=0.0)
+    history = []
+    for _ in range(15):
+        history.append(learner.forward_backward(datums, PPO.loss, cfg))
+        learner.optim_step()
+    assert history[-1]["value_loss"] < 0.5 * history[0]["value_loss"]
+    assert history[-1]["explained_variance"] > history[0]["explained_variance"]
+
+
+SMALL_PPO = {
+    "seed": 5,
+    "env": {"path": "arithmetic", "kwargs": {"max_operand": 3}},
+    "algorithm": {"name": "ppo", "kl_coef": 0.05, "kl_estimator": "k1"},
+    "training": {"mode": "lora", "iterations": 3, "learning_rate": 5e-3, "groups_per_batch": 2,
+                 "group_size": 4, "max_new_tokens": 4},
+    "sft": {"steps": 20, "batch_size": 16, "examples": 64, "learning_rate": 3e-3},
+    "eval": {"every": 3, "num_tasks": 4},
+}
+
+
+def test_ppo_train_is_finite_and_resumes_identically(tmp_path):
+    full = config_from_dict({**SMALL_PPO, "output_dir": str(tmp_path / "full")})
+    reference = [deterministic_metrics(m) for m in train(full)]
+    for m in reference:
+        for k in ("loss", "policy_loss", "value_loss", "explained_variance", "kl", "grad_norm"):
+            assert math.isfinite(m[k]), (k, m)
+    assert (tmp_path / "full" / "checkpoints" / "iter_00002" / VALUE_HEAD_FILE).exists()
+    part = config_from_dict({**SMALL_PPO, "output_dir": str(tmp_path / "part")})
+    train(replace(part, training=replace(part.training, iterations=2)))
+    rest = [deterministic_metrics(m) for m in train(part, resume=True)]
+    assert rest == reference[2:]
+
+
+def test_score_gives_every_algorithm_its_datums(tiny):
+    model, tok = tiny
+    base = {k: v for k, v in SMALL_PPO.items() if k != "sft"}
+    groups = None
+    for name in ("ppo", "dr_grpo", "grpo", "rloo", "importance_sampling"):
+        exp = Experiment(config_from_dict({**base, "algorithm": {"name": name}}), copy.deepcopy(model), tok)
+        exp.start_rl()
+        groups = groups or _groups(exp.policy, tok)
+        datums = exp.score(groups)
+        assert datums and all(isinstance(d, CriticDatum) == (name == "ppo") for d in datums)
+        metrics = exp.train_step(groups)
+        assert math.isfinite(metrics["loss"]) and ("value_loss" in metrics) == (name == "ppo")
+
+
+@pytest.mark.parametrize("field,value", [("gamma", 1.5), ("gae_lambda", -0.1), ("vf_coef", -1.0),
+                                         ("value_clip", float("nan"))])
+def test_bad_ppo_hyper_parameters_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=f"algorithm.{field}"):
+        config_from_dict({"algorithm": {"name": "ppo", field: value}})

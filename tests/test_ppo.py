@@ -177,13 +177,17 @@ def test_score_gives_every_algorithm_its_datums(tiny):
     base = {k: v for k, v in SMALL_PPO.items() if k != "sft"}
     groups = None
     for name in ("ppo", "dr_grpo", "grpo", "rloo", "importance_sampling"):
-        exp = Experiment(config_from_dict({**base, "algorithm": {"name": name}}), copy.deepcopy(model), tok)
-        exp.start_rl()
+        cfg = config_from_dict({**base, "algorithm": {"name": name}})
+        exp = Experiment(cfg, copy.deepcopy(model), tok)
+        exp.start_rl()  # seeded in Experiment(): the twin must start its adapter from the same RNG state
+        twin = Experiment(cfg, copy.deepcopy(model), tok)
+        twin.start_rl()
         groups = groups or _groups(exp.policy, tok)
         datums = exp.score(groups)
         assert datums and all(isinstance(d, CriticDatum) == (name == "ppo") for d in datums)
-        metrics = exp.train_step(groups)
+        metrics = deterministic_metrics(exp.train_step(groups, datums))
         assert math.isfinite(metrics["loss"]) and ("value_loss" in metrics) == (name == "ppo")
+        assert deterministic_metrics(twin.train_step(groups)) == metrics  # scoring inside or before: one step
 
 
 @pytest.mark.parametrize("field,value", [("gamma", 1.5), ("gae_lambda", -0.1), ("vf_coef", -1.0),

@@ -148,12 +148,13 @@ class Experiment:
             return critic_datums(groups, self.learner.compute_values, c.gamma, c.gae_lambda, c.whiten_advantages)
         return rl_datums(groups, self.algorithm.advantages)
 
-    def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        """Advantages, one forward/backward over all informative episodes, one optimizer step."""
+    def train_step(self, groups: list[TrajectoryGroup], datums: list[Datum] | None = None) -> dict[str, float]:
+        """Advantages, one forward/backward over all informative episodes, one optimizer step.
+        `datums`, when given, are `score(groups)` computed earlier with the same policy."""
         if self.learner is None:
             self.start_rl()
         start = time.perf_counter()
-        datums = self.score(groups)
+        datums = self.score(groups) if datums is None else datums
         metrics: dict[str, float] = {"informative_groups": float(sum(len(set(g.rewards)) > 1 for g in groups))}
         if datums:  # when every group's rewards are uniform there is no gradient: skip the step
             metrics.update(self.learner.forward_backward(datums, self.algorithm.loss, self.loss_cfg))

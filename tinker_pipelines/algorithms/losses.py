@@ -166,7 +166,9 @@ def ppo_loss(logprobs_BT: torch.Tensor, batch: LossBatch, cfg: LossConfig) -> tu
 def dr_grpo_loss(logprobs_BT: torch.Tensor, batch: LossBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """Dr. GRPO (Liu et al., 2025): the critic-free clipped surrogate on group-centred advantages
     (no division by the group's std). Meant with `normalization: token`, so long and short
-    replies weigh per token rather than per reply (the length bias Dr. GRPO removes)."""
+    replies weigh per token rather than per reply (the length bias Dr. GRPO removes). The paper
+    divides the token sum by a constant (the maximum reply length) where `token` divides by the
+    batch's token count: the same direction, scaled by a per-batch factor."""
     loss, metrics = _clipped_surrogate(logprobs_BT, batch, cfg)
     return _with_kl(loss, logprobs_BT, batch, cfg, metrics), metrics
 

@@ -1,9 +1,10 @@
-"""Jobs: `rl` (one iteration per run, partition `<experiment>:<iteration>`), `sft`, `evaluate`."""
+"""Jobs: `rl` (one iteration per run, partition `<experiment>:<iteration>`), `sft`, `dpo`, `evaluate`."""
 
 from __future__ import annotations
 
 import dagster as dg
 
+from assets.dpo import DPO_ASSETS
 from assets.evaluation import evaluate
 from assets.partitions import EXPERIMENTS, ITERATIONS
 from assets.sft import sft_checkpoint
@@ -20,4 +21,11 @@ sft = dg.define_asset_job(
     executor_def=dg.in_process_executor,
     description="Supervised warm start of an experiment's base model (partition = experiment name).")
 
-JOBS = [rl, sft, evaluate]
+dpo = dg.define_asset_job(
+    "dpo", selection=dg.AssetSelection.assets(*DPO_ASSETS),
+    executor_def=dg.in_process_executor,
+    description="DPO of an experiment (partition = experiment name; run `sft` first when sft.steps > 0): "
+                "preference pairs from scored rollouts, DPO steps, a registered and evaluated adapter version. "
+                "Config under ops.preference_pairs.config.")
+
+JOBS = [rl, sft, dpo, evaluate]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dagster as dg
 
+from assets.dpo import DPO_ASSETS
 from assets.evaluation import evaluate
 from assets.jobs import JOBS
 from assets.sensors import SCHEDULES, SENSORS
@@ -17,7 +18,7 @@ from assets.training import RL_ASSETS
 from resources import build_resources
 
 defs = dg.Definitions(
-    assets=[*RL_ASSETS, sft_checkpoint],
+    assets=[*RL_ASSETS, sft_checkpoint, *DPO_ASSETS],
     jobs=JOBS,
     sensors=SENSORS,
     schedules=SCHEDULES,
@@ -38,4 +39,8 @@ def sft_job() -> dg.JobDefinition:
     return defs.resolve_job_def("sft")
 
 
-__all__ = ["defs", "evaluate", "rl_job", "sft_job", "evaluate_job"]
+def dpo_job() -> dg.JobDefinition:
+    return defs.resolve_job_def("dpo")
+
+
+__all__ = ["defs", "evaluate", "rl_job", "sft_job", "dpo_job", "evaluate_job"]

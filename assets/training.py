@@ -17,8 +17,6 @@ from assets.lineage import adapter_dir, find_adapter, load_settings, save_settin
 from assets.partitions import ITERATIONS, iteration_key, parse_iteration_key, store_key
 from assets.run_config import RLConfig
 from resources import ArtifactStoreResource, MLflowResource, PolicyEngine
-from tinker_pipelines.algorithms.registry import get_algorithm
-from tinker_pipelines.datums import rl_datums
 from tinker_pipelines.tracking import registered_model_name
 from tinker_pipelines.tracking.mlflow_tracker import learning_curve_png
 from tinker_pipelines.tracking.store import dumps, loads
@@ -56,9 +54,17 @@ class _Step:
 
         return self.engine.experiment(self.name, self.cfg, at, checkpoint, sft_base)
 
-    def rollout(self) -> dict:
-        return (self.engine.recall_rollout(self.name, self.k)
-                or loads(self.store.get_bytes(store_key(self.name, self.k, "rollout.pkl"))))
+    def load(self, what: str):
+        """An artifact an earlier step of this iteration wrote (`rollout.pkl`, `datums.pkl`): from
+        memory when that step ran in this process on the same resident experiment, else the store."""
+        found = self.engine.recall(self.name, self.k, what)
+        return found if found is not None else loads(self.store.get_bytes(store_key(self.name, self.k, what)))
+
+    def save(self, what: str, value) -> str:
+        """Write an artifact of this iteration to the store (its URI) and keep it for later steps."""
+        uri = self.store.put_bytes(store_key(self.name, self.k, what), dumps(value))
+        self.engine.remember(self.name, self.k, what, value)
+        return uri
 
     def run_id(self) -> str:
         return self.tracker.experiment_run(self.name, params=self.settings["config"])
@@ -87,9 +93,7 @@ def rollout_batch(context: dg.AssetExecutionContext, config: RLConfig, policy_en
     prev = step.adapter(k - 1)
     exp = step.experiment(at=k)
     ro = exp.rollout(k)
-    payload = {"groups": ro.groups, "metrics": ro.metrics}
-    uri = step.store.put_bytes(store_key(name, k, "rollout.pkl"), dumps(payload))
-    policy_engine.remember_rollout(name, k, payload)
+    uri = step.save("rollout.pkl", {"groups": ro.groups, "metrics": ro.metrics})
     m = ro.metrics
     return dg.MaterializeResult(
         metadata={"path": _uri_value(uri), "reward_mean": m["reward_mean"], "reward_std": m["reward_std"],
@@ -103,15 +107,16 @@ def rollout_batch(context: dg.AssetExecutionContext, config: RLConfig, policy_en
 @dg.asset(partitions_def=ITERATIONS, group_name=GROUP, deps=[rollout_batch], kinds={"python"})
 def scored_trajectories(context: dg.AssetExecutionContext, policy_engine: PolicyEngine,
                         artifact_store: ArtifactStoreResource, mlflow: MLflowResource) -> dg.MaterializeResult:
-    """Group-relative advantages (the algorithm's estimator) turned into training datums."""
+    """Training datums with advantages (`Experiment.score`: the algorithm's group estimator, or the
+    critic's values and GAE for PPO), scored with the policy that sampled them."""
     step = _Step(context, policy_engine, artifact_store, mlflow)
-    groups = step.rollout()["groups"]
-    datums = rl_datums(groups, get_algorithm(step.cfg.algorithm.name).advantages)
-    uri = step.store.put_bytes(store_key(step.name, step.k, "datums.pkl"), dumps(datums))
-    advs = [abs(d.advantages[i]) for d in datums for i, w in enumerate(d.weights) if w]
+    groups = step.load("rollout.pkl")["groups"]
+    datums = step.experiment(at=step.k).score(groups)
+    uri = step.save("datums.pkl", datums)
+    advs = [abs(a) for d in datums for a, w in zip(d.advantages, d.weights) if w]
     return dg.MaterializeResult(metadata={
         "path": _uri_value(uri), "datums": len(datums),
-        "informative_groups": len(datums) // max(1, step.cfg.training.group_size),
+        "informative_groups": sum(len(set(g.rewards)) > 1 for g in groups),
         "trained_tokens": int(sum(sum(d.weights) for d in datums)),
         "advantage_abs_mean": sum(advs) / len(advs) if advs else 0.0, "wall_time_s": step.elapsed()})
 
@@ -123,14 +128,15 @@ def scored_trajectories(context: dg.AssetExecutionContext, policy_engine: Policy
                                          description="The written checkpoint loads and gives finite logits.")])
 def adapter_checkpoint(context: dg.AssetExecutionContext, policy_engine: PolicyEngine,
                        artifact_store: ArtifactStoreResource, mlflow: MLflowResource) -> dg.MaterializeResult:
-    """One optimizer step on iteration k's rollouts; the checkpoint becomes a registered model version."""
+    """One optimizer step on the datums scored_trajectories wrote; the checkpoint becomes a
+    registered model version."""
     step = _Step(context, policy_engine, artifact_store, mlflow)
     name, k = step.name, step.k
-    rollout = step.rollout()
+    rollout, datums = step.load("rollout.pkl"), step.load("datums.pkl")
     exp = step.experiment(at=k)
     key = store_key(name, k, "adapter")
     with policy_engine.updating(name):
-        metrics = {"iteration": float(k), **rollout["metrics"], **exp.train_step(rollout["groups"])}
+        metrics = {"iteration": float(k), **rollout["metrics"], **exp.train_step(rollout["groups"], datums)}
         exp.iteration = k + 1
         local = step.store.write_dir(key)
         record = exp.save(local, metrics)

@@ -26,7 +26,9 @@ from tinker_pipelines.train import Experiment
 class _Entry:
     cfg: Config
     exp: Experiment
-    rollouts: dict[int, Any] = field(default_factory=dict)  # iteration -> groups, last one only
+    # what earlier steps of the current iteration produced (rollouts, scored datums), so later steps
+    # skip unpickling them from the store: (iteration, what) -> value, the latest iteration only
+    handoff: dict[tuple[int, str], Any] = field(default_factory=dict)
 
 
 _CACHE: dict[str, _Entry] = {}
@@ -102,11 +104,14 @@ class PolicyEngine(dg.ConfigurableResource):
         if not self.keep_resident:
             evict(name)
 
-    def remember_rollout(self, name: str, iteration: int, groups: Any) -> None:
+    def remember(self, name: str, iteration: int, what: str, value: Any) -> None:
+        """Keep `value` (already written to the store) for later steps of this iteration in this process."""
         entry = _CACHE.get(name)
         if entry is not None:
-            entry.rollouts = {iteration: groups}
+            entry.handoff = {key: v for key, v in entry.handoff.items() if key[0] == iteration}
+            entry.handoff[(iteration, what)] = value
 
-    def recall_rollout(self, name: str, iteration: int) -> Any | None:
+    def recall(self, name: str, iteration: int, what: str) -> Any | None:
+        """What `remember` kept, or None (another process, or the experiment was reloaded): read the store."""
         entry = _CACHE.get(name)
-        return entry.rollouts.get(iteration) if entry is not None else None
+        return entry.handoff.get((iteration, what)) if entry is not None else None

@@ -186,8 +186,29 @@ def test_race_env_against_scripted_players():
     env = RaceEnv(seat="b")
     opening = env.reset(0)
     assert [m["role"] for m in opening] == ["system", "user"] and "Opponent adds" in opening[1]["content"]
-    forfeit = env.step("seven")
+    for _ in range(2):  # illegal replies: a penalty, the reason, and another try
+        retry = env.step("seven")
+        assert not retry.done and retry.reward == -0.1 and "Illegal move" in retry.observation[0]["content"]
+    forfeit = env.step("seven")  # the third forfeits
     assert forfeit.done and forfeit.reward == -1.0 and forfeit.info["forfeit"]
+    strict = RaceEnv(seat="b", max_illegal=0)
+    strict.reset(0)
+    assert strict.step("seven").info["forfeit"]
+
+
+def test_race_illegal_move_then_legal_play_goes_on():
+    env = RaceEnv(seat="a", opponent="random")
+    opening = env.reset(3)
+    total = int(opening[-1]["content"].split("Total is ")[1].split(".")[0])
+    retry = env.step("4")
+    assert not retry.done and f"Total is {total}." in retry.observation[0]["content"]
+    assert env.game.total == total and env.game.to_move == "a"
+    nxt = env.step("1")
+    assert nxt.done or (nxt.reward == 0.0 and "Opponent adds" in nxt.observation[-1]["content"])
+    with pytest.raises(ValueError, match="max_illegal"):
+        RaceEnv(max_illegal=-1)
+    with pytest.raises(ValueError, match="illegal_penalty"):
+        RaceEnv(illegal_penalty=1.5)
 
 
 def _doc_example():

@@ -20,15 +20,18 @@ def test_race_rewards_are_zero_sum():
         game = RaceGame()
         game.reset(seed)
         totals = {"a": 0.0, "b": 0.0}
+        illegal = 0
         while True:
             action = rng.choice(["1", "2", "3", "4", "x", " 2 "]) if rng.random() < 0.2 else \
                 SCRIPTED_PLAYERS[rng.choice(list(SCRIPTED_PLAYERS))](game, rng)
             step = game.step(action)
+            illegal += "illegal" in step.info
             for seat, r in step.rewards.items():
                 totals[seat] += r
             if step.done:
                 break
-        assert totals["a"] + totals["b"] == 0 and abs(totals["a"]) == 1
+        assert abs(totals["a"] + totals["b"]) < 1e-9
+        assert abs(abs(totals["a"]) - 1) <= 0.1 * illegal + 1e-9  # +-1 for the result, 0.1 per illegal reply
 
 
 class _Scripted:
@@ -60,6 +63,41 @@ def test_run_games_token_exact_and_zero_sum(tiny):
                 assert "Opponent adds" in tok.decode(t1.prompt_tokens[n:])  # the other agent's move ...
             d = trajectory_to_datum(traj, 1.0)
             assert sum(d.weights) == traj.num_sampled_tokens  # ... carries no loss
+
+
+class _Sequence:
+    """A sampler that plays the given replies in turn (one per call, the same for every prompt)."""
+
+    def __init__(self, tok, moves):
+        self.tok, self.moves = tok, list(moves)
+        self.stop_token_ids, self.max_context = stop_token_ids(tok), 1024
+
+    def sample(self, prompts, max_new_tokens, temperature=1.0, generator=None):
+        toks = tuple(self.tok.encode(self.moves.pop(0), add_special_tokens=False) + [self.tok.eos_token_id])
+        return [Sample(toks, tuple(-0.1 for _ in toks), "stop") for _ in prompts]
+
+
+def test_illegal_move_is_retried_with_a_penalty_in_self_play(tiny):
+    _, tok = tiny
+    # a: illegal, then legal moves; b: always legal. The retry is a turn of a's own context.
+    policies = {"a": AgentPolicy(_Sequence(tok, ["9", "1", "1", "1", "1", "1"])),
+                "b": AgentPolicy(_Scripted(tok, "1"))}
+    (g,) = run_games(policies, tok, [RaceGame()], [0], RolloutConfig(max_new_tokens=4, max_turns=10))
+    a, b = g["a"], g["b"]
+    assert a.turns[0].reward == -0.1 and a.turns[0].action_text == "9"
+    n = len(a.turns[0].prompt_tokens) + len(a.turns[0].sampled_tokens)
+    assert a.turns[1].prompt_tokens[:n] == a.turns[0].prompt_tokens + a.turns[0].sampled_tokens
+    assert "Illegal move" in tok.decode(a.turns[1].prompt_tokens[n:])
+    assert abs(a.total_reward + b.total_reward) < 1e-9 and abs(abs(a.total_reward) - 1) == pytest.approx(0.1)
+    assert not g["a"].info.get("forfeit")
+
+
+def test_sft_examples_teach_recovery_after_an_illegal_move():
+    examples = RaceEnv.sft_examples(400, seed=0, illegal_fraction=0.3)
+    assert all(reply in ("1", "2", "3") for _, reply in examples)
+    recover = [m for m, _ in examples if any("Illegal move" in x["content"] for x in m)]
+    assert 0.1 * len(examples) < len(recover) < 0.5 * len(examples)
+    assert not any("Illegal move" in x["content"] for m, _ in RaceEnv.sft_examples(100, seed=0) for x in m)
 
 
 class _LongerWins(TwoAgentGame):

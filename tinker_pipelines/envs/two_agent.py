@@ -9,7 +9,12 @@ loop can play it against a scripted opponent (and measure win rates).
 
 `RaceGame` is the counting game "race to N": the players take turns adding 1..k to a running
 total; whoever brings it to N or beyond wins (+1), the other loses (-1). A reply that is not a
-number in 1..k forfeits. Perfect play leaves the opponent a distance to N that is a multiple of
+number in 1..k is an illegal move: the mover pays a small penalty (to the other seat, so the game
+stays zero-sum), is told so and moves again; only its `max_illegal + 1`-th illegal move of the
+game forfeits. (When the first illegal reply forfeited at once, an agent that drifted off the
+legal moves lost every game, its rewards became uniformly -1 and its GRPO groups carried no
+gradient back: an absorbing collapse. With retries and a per-move penalty, fewer illegal moves
+always means more reward, so the signal back to legal play never vanishes.) Perfect play leaves the opponent a distance to N that is a multiple of
 k + 1, so there is a strategy to learn, and a random start makes both seats sometimes the favourite.
 """
 
@@ -72,12 +77,21 @@ class RaceGame(TwoAgentGame):
     lost position (against perfect play) in half of the games: both seats can win and must learn.
     """
 
-    def __init__(self, target: int = 10, max_add: int = 3, max_start: int = 6, balanced: bool = True):
+    def __init__(self, target: int = 10, max_add: int = 3, max_start: int = 6, balanced: bool = True,
+                 max_illegal: int = 2, illegal_penalty: float = 0.1):
+        """`max_illegal`: illegal replies a seat may make per game and move again (the next one
+        forfeits; 0: the first forfeits); `illegal_penalty`: reward moved from the mover to the
+        other seat for each illegal reply that does not forfeit."""
         if max_add < 1 or target < 2:
             raise ValueError(f"env.kwargs: need max_add >= 1 and target >= 2, got {max_add}, {target}")
         if not 0 <= max_start < target - max_add:
             raise ValueError(f"env.kwargs.max_start must be in [0, target - max_add), got {max_start}")
+        if max_illegal < 0:
+            raise ValueError(f"env.kwargs.max_illegal must be >= 0, got {max_illegal}")
+        if not 0 <= illegal_penalty < 1:
+            raise ValueError(f"env.kwargs.illegal_penalty must be in [0, 1), got {illegal_penalty}")
         self.target, self.max_add, self.max_start, self.balanced = target, max_add, max_start, balanced
+        self.max_illegal, self.illegal_penalty = max_illegal, illegal_penalty
         self.total: int | None = None
         self.done = True
         self._to_move = "a"
@@ -96,6 +110,7 @@ class RaceGame(TwoAgentGame):
             starts = lost if lost and won and rng.random() < 0.5 else won or lost
         self.total = rng.choice(starts)
         self.done, self._to_move, self.moves = False, "a", []
+        self.illegal = {"a": 0, "b": 0}
         system = {"role": "system", "content": self.rules()}
         return {"a": [system, {"role": "user", "content": f"Total is {self.total}. Your move."}], "b": [system]}
 
@@ -116,9 +131,15 @@ class RaceGame(TwoAgentGame):
         mover = self._to_move
         other = "b" if mover == "a" else "a"
         move = self.parse_move(action)
-        if move is None:  # forfeit
-            self.done = True
-            return GameStep({}, {mover: -1.0, other: 1.0}, True, {"winner": other, "forfeit": True})
+        if move is None:
+            self.illegal[mover] += 1
+            if self.illegal[mover] > self.max_illegal:  # forfeit
+                self.done = True
+                return GameStep({}, {mover: -1.0, other: 1.0}, True, {"winner": other, "forfeit": True})
+            text = f"Illegal move. Reply with one number from 1 to {self.max_add}. Total is {self.total}. Your move."
+            p = self.illegal_penalty
+            return GameStep({mover: [{"role": "user", "content": text}]}, {mover: -p, other: p}, False,
+                            {"illegal": mover})
         self.total += move
         self.moves.append(move)
         if self.total >= self.target:
@@ -216,15 +237,20 @@ class RaceEnv(VersusScripted):
     """`RaceGame`, one seat against a scripted player ('random', 'greedy' or 'optimal')."""
 
     def __init__(self, seat: str = "a", opponent: str = "greedy", target: int = 10, max_add: int = 3,
-                 max_start: int = 6, balanced: bool = True):
+                 max_start: int = 6, balanced: bool = True, max_illegal: int = 2, illegal_penalty: float = 0.1):
         if opponent not in SCRIPTED_PLAYERS:
             raise ValueError(f"env.kwargs.opponent must be one of {', '.join(SCRIPTED_PLAYERS)}, got {opponent!r}")
-        super().__init__(RaceGame(target, max_add, max_start, balanced), seat, SCRIPTED_PLAYERS[opponent])
+        super().__init__(RaceGame(target, max_add, max_start, balanced, max_illegal, illegal_penalty), seat,
+                         SCRIPTED_PLAYERS[opponent])
 
     @staticmethod
-    def sft_examples(n: int, seed: int = 0, **game_kwargs: Any) -> list[tuple[list, str]]:
-        """Legal but random moves from both seats' points of view: the format, not the strategy."""
-        kwargs = {k: v for k, v in game_kwargs.items() if k in ("target", "max_add", "max_start", "balanced")}
+    def sft_examples(n: int, seed: int = 0, illegal_fraction: float = 0.0,
+                     **game_kwargs: Any) -> list[tuple[list, str]]:
+        """Legal but random moves from both seats' points of view: the format, not the strategy.
+        With `illegal_fraction`, that share of moves comes after an illegal reply and the game's
+        answer to it (the illegal reply is context only, never a target): how to recover."""
+        kwargs = {k: v for k, v in game_kwargs.items()
+                  if k in ("target", "max_add", "max_start", "balanced", "max_illegal", "illegal_penalty")}
         rng = random.Random(seed)
         out: list[tuple[list, str]] = []
         while len(out) < n:
@@ -232,6 +258,11 @@ class RaceEnv(VersusScripted):
             views = {s: list(m) for s, m in game.reset(rng.randrange(2**31)).items()}
             while not game.done and len(out) < n:
                 seat = game.to_move
+                if rng.random() < illegal_fraction and game.illegal[seat] < game.max_illegal:
+                    wrong = rng.choice(["0", str(game.max_add + 1), str(rng.randint(10, 99)), "x"])
+                    views[seat].append({"role": "assistant", "content": wrong})
+                    for s, obs in game.step(wrong).observations.items():
+                        views[s] += obs
                 move = random_player(game, rng)
                 out.append((list(views[seat]), move))
                 views[seat].append({"role": "assistant", "content": move})

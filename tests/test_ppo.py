@@ -195,3 +195,12 @@ def test_score_gives_every_algorithm_its_datums(tiny):
 def test_bad_ppo_hyper_parameters_name_the_field(field, value):
     with pytest.raises(ConfigError, match=f"algorithm.{field}"):
         config_from_dict({"algorithm": {"name": "ppo", field: value}})
+
+
+def test_ppo_tiny_config_loads():
+    from pathlib import Path
+
+    from tinker_pipelines.config import load_config
+
+    cfg = load_config(Path(__file__).parent.parent / "configs" / "ppo_tiny.yaml")
+    assert cfg.algorithm.name == "ppo" and get_algorithm(cfg.algorithm.name).value_head

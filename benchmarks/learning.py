@@ -3,6 +3,7 @@
     python -m benchmarks.learning                                   # tiny on `arithmetic`: SFT, then GRPO
     python -m benchmarks.learning --model smollm2-135m-instruct     # GRPO-LoRA on `repeat`, no SFT
     python -m benchmarks.learning --algorithm ppo                   # any registered RL algorithm
+    python -m benchmarks.learning --algorithm dpo                   # tiny: SFT, then DPO on pairs from SFT rollouts
 
 `before` is the held-out rate of the starting checkpoint (the SFT checkpoint for tiny, the
 base model for SmolLM2), `after` the rate after RL; both greedy, on tasks RL never trains on.
@@ -16,6 +17,7 @@ import json
 import tempfile
 import time
 
+from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.config import config_from_dict
 from tinker_pipelines.train import train
 
@@ -30,6 +32,10 @@ TINY = {
                  "group_size": 8, "max_new_tokens": 8},
     "eval": {"every": 10, "num_tasks": 200},
 }
+
+DPO = {"pairs": 128, "group_size": 8, "steps": 40, "batch_size": 16, "beta": 0.1}
+"""`--algorithm dpo`: best vs worst of 8 sampled replies on 128 tasks from the starting policy
+(the same SFT checkpoint as GRPO's), 40 steps of 16 pairs; `--iterations` sets the steps."""
 
 SMOLLM2 = {
     "model": {"name": "smollm2-135m-instruct"},
@@ -50,9 +56,11 @@ SMOLLM2 = {
 def run(model: str, algorithm: str, iterations: int | None, seed: int) -> dict:
     base = TINY if model == "tiny" else SMOLLM2
     training = {**base["training"], **({"iterations": iterations} if iterations else {})}
+    pairwise = get_algorithm(algorithm).pairwise
+    dpo = {**DPO, **({"steps": iterations} if iterations else {})}
     with tempfile.TemporaryDirectory() as out:
         cfg = config_from_dict({**base, "training": training, "seed": seed, "output_dir": out,
-                                "algorithm": {"name": algorithm}})
+                                "algorithm": {"name": algorithm}, **({"dpo": dpo} if pairwise else {})})
         start = time.perf_counter()
         evals: list[tuple[int, float, float]] = []
 
@@ -70,7 +78,8 @@ def run(model: str, algorithm: str, iterations: int | None, seed: int) -> dict:
     print(f"{'model':<24}{'algorithm':<12}{'before':>8}{'after':>8}{'gain':>8}{'minutes':>9}")
     print(f"{model:<24}{algorithm:<12}{before:>8.3f}{after:>8.3f}{after - before:>+8.3f}{minutes:>9.1f}")
     return {"task": cfg.env.path, "model": model, "algorithm": algorithm, "before": before, "after": after,
-            "gain": after - before, "minutes": round(minutes, 2), "iterations": cfg.training.iterations,
+            "gain": after - before, "minutes": round(minutes, 2),
+            "iterations": cfg.dpo.steps if pairwise else cfg.training.iterations,
             "curve": [{"iteration": i, "exact": e, "contains": c} for i, e, c in evals]}
 
 

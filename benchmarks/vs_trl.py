@@ -23,13 +23,15 @@ optimizer state, caches) and with model loading and trainer construction exclude
   advantages, datums, forward/backward, optimizer step;
 - TRL: one `Trainer` optimizer step, from its `on_step_begin` to its `on_step_end` callback:
   generation, rewards, advantages, forward/backward, grad clip, optimizer and scheduler step.
-The sides alternate (TRL step k, then our iteration k, from TRL's step-end callback) so that both
-see the same machine load. The median of `--repeats` timed iterations per side is reported. Tokens: completion tokens
-generated and completion tokens the loss was computed on. Our trainer skips groups whose rewards
-are all equal (no gradient); TRL trains on them with zero advantage, so a run reports the trained
-tokens of both sides and how many groups were informative.
+The sides alternate (TRL step k, then our iteration k, from TRL's step-end callback) so that
+both see the same machine load; the median of `--repeats` timed iterations per side is reported,
+with its split into sampling + rewards (TRL: up to the call of its reward function) and training.
+Both sides run in one process with the same torch thread count (set OMP_NUM_THREADS to pin it).
+Tokens: completion tokens generated, and completion tokens the loss was computed on. Our
+trainer skips groups whose rewards are all equal (no gradient); TRL trains on them with zero
+advantage, so the table shows both sides' trained tokens and informative groups.
 
-    python -m benchmarks.vs_trl [--groups 8] [--group-size 8] [--max-new-tokens 16] [--repeats 3]
+    python -m benchmarks.vs_trl [--groups 8] [--group-size 8] [--max-new-tokens 16] [--repeats 5]
 
 Last line: {"ratio": ours_s / trl_s, "ours_s": ..., "trl_s": ..., "ours_tokens": ..., "trl_tokens": ...}
 (tokens: completion tokens generated in the timed iterations).

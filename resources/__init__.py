@@ -1,15 +1,33 @@
-"""Dagster resources, and the one place that picks the local or production deployment."""
+"""Dagster resources, and the one place that picks the local or production deployment.
+
+The resource classes are imported on first use: the embedded instance's storage
+(`resources.instance_storage`, loaded by the daemon and webserver from `dagster.yaml`) lives in
+this package and must not pull in torch and transformers through the policy engine.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
-from resources.mlflow_resource import MLflowResource
-from resources.policy_engine import PolicyEngine
-from resources.storage import ArtifactStoreResource
 from tinker_pipelines.tracking.home import default_home
+
+if TYPE_CHECKING:
+    from resources.mlflow_resource import MLflowResource
+    from resources.policy_engine import PolicyEngine
+    from resources.storage import ArtifactStoreResource
+
+_LAZY = {"MLflowResource": "resources.mlflow_resource", "PolicyEngine": "resources.policy_engine",
+         "ArtifactStoreResource": "resources.storage"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'resources' has no attribute {name!r}")
 
 
 def build_resources(deployment: str | None = None) -> dict[str, dg.ConfigurableResource]:
@@ -20,6 +38,10 @@ def build_resources(deployment: str | None = None) -> dict[str, dg.ConfigurableR
     MLflow experiment; a tracking server normally decides); boto3 takes credentials from its
     usual chain (env, ~/.aws, instance role).
     """
+    from resources.mlflow_resource import MLflowResource
+    from resources.policy_engine import PolicyEngine
+    from resources.storage import ArtifactStoreResource
+
     deployment = deployment or os.environ.get("TINKER_DEPLOYMENT", "local")
     home = default_home()
     if deployment == "local":

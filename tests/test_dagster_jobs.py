@@ -131,3 +131,33 @@ def test_full_parameter_mode_iteration():
         assert list(Path(md["path"]).glob("model*.safetensors"))
         assert {"adapter_loads", "kl_within_bound"} <= _passed_checks(instance, "adapter_checkpoint", "fullmode:0")
         assert materializations(instance, "eval_report", "fullmode:0")
+
+
+def test_embedded_instance_storage(tmp_path):
+    """A fresh project home's instance: Dagster's sqlite storages with pooled engines and
+    synchronous=NORMAL; an iteration runs on it, and another process (as the daemon or webserver
+    would) opens the same instance without importing the ML stack and sees the run."""
+    import subprocess
+    import sys
+
+    from resources.instance_storage import (TinkerSqliteEventLogStorage, TinkerSqliteRunStorage,
+                                            TinkerSqliteScheduleStorage)
+    from tinker_pipelines.tracking import TinkerHome
+
+    home = TinkerHome(tmp_path / "home").ensure()
+    cfg = {**NO_SFT, "training": {**NO_SFT["training"], "iterations": 1}, "eval": {"every": 1, "num_tasks": 4}}
+    with dg.DagsterInstance.from_config(str(home.dagster_home)) as instance:
+        assert isinstance(instance.run_storage, TinkerSqliteRunStorage)
+        assert isinstance(instance.event_log_storage, TinkerSqliteEventLogStorage)
+        assert isinstance(instance.schedule_storage, TinkerSqliteScheduleStorage)
+        assert run_iterations(instance, "embedded", cfg) == [True]
+        assert materializations(instance, "eval_report", "embedded:0")
+        for storage in (instance.run_storage, instance.event_log_storage, instance.schedule_storage):
+            with storage._pool.transaction() as conn:
+                assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 1  # NORMAL
+                assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+    probe = ("import sys, dagster as dg; i = dg.DagsterInstance.from_config(sys.argv[1]); "
+             "print(len(i.get_runs()), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe, str(home.dagster_home)], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.split() == ["1", "False"], out.stderr[-2000:]

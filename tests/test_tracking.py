@@ -78,3 +78,17 @@ def test_local_store_round_trip(tmp_path):
     assert store.exists("exp/00000/adapter") and not store.exists("nope")
     with pytest.raises(FileNotFoundError):
         store.local_dir("nope")
+
+
+def test_embedded_sqlite_store_is_wal_with_normal_sync(tracker, tmp_path):
+    import sqlite3
+
+    import sqlalchemy as sa
+
+    tracker.log_metrics_once(tracker.experiment_run("wal"), 0, {"x": 1.0})
+    path = tracker.tracking_uri.removeprefix("sqlite:///")
+    assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    with sa.create_engine(tracker.tracking_uri).connect() as conn:  # any engine of this process on that file
+        assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 1  # NORMAL
+    with sa.create_engine(f"sqlite:///{tmp_path / 'other.db'}").connect() as conn:  # other files keep the default
+        assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL

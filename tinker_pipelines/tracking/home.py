@@ -59,13 +59,24 @@ class TinkerHome:
 
 DAGSTER_YAML = """\
 # Embedded default instance (written by tinker_pipelines.tracking.home on first use).
-# One sqlite database (WAL) for all event logs instead of one per run: fewer files and about a
-# third less per-run bookkeeping time. Production: see docs/dagster.production.yaml.
-event_log_storage:
-  module: dagster._core.storage.event_log
-  class: ConsolidatedSqliteEventLogStorage
+# Dagster's sqlite storages with one pooled engine per database and synchronous=NORMAL (WAL), so an
+# event is not an fsync (resources/instance_storage.py, docs/runtime.md "Overhead"); one database
+# for all event logs instead of one per run. Production: see docs/dagster.production.yaml.
+run_storage:
+  module: resources.instance_storage
+  class: TinkerSqliteRunStorage
   config:
     base_dir: {home}/history
+event_log_storage:
+  module: resources.instance_storage
+  class: TinkerSqliteEventLogStorage
+  config:
+    base_dir: {home}/history
+schedule_storage:
+  module: resources.instance_storage
+  class: TinkerSqliteScheduleStorage
+  config:
+    base_dir: {home}/schedules
 telemetry:
   enabled: false
 """

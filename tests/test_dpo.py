@@ -207,6 +207,13 @@ def test_dpo_job_materializes_pairs_and_a_registered_evaluated_version(dpo_job_r
     events = dpo_job_run.all_logs(ckpt_rec.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
     assert [(e.dagster_event.event_specific_data.check_name, e.dagster_event.event_specific_data.passed)
             for e in events] == [("adapter_loads", True)]
+    # the `evaluate` job loads the registered DPO version (SFT base + checkpoint) and scores it the same
+    from tinker_pipelines.definitions import evaluate_job
+
+    cfg = {"ops": {"evaluate_adapter": {"config": {"model_name": registered_model_name("dpo-job"),
+                                                   "version": md["model_version"], "promote": False}}}}
+    with dg.execute_job(dg.reconstructable(evaluate_job), dpo_job_run, run_config=cfg) as res:
+        assert res.success and res.output_for_node("evaluate_adapter")["score"] == md["score"]
     # the plain loop gives the same numbers
     history = train(config_from_dict({**DPO_SMALL, "output_dir": str(tmp_path)}))
     assert md["after_pairs_dpo_margin"] == history[-1]["pairs/dpo_margin"]

@@ -11,7 +11,7 @@ on both sides) is not timed. The MLflow database is created before timing.
 
     python -m benchmarks.overhead [--iterations 10] [--repeats 2]
 
-Last line: {"ratio": ..., "identical": ..., "iterations": ...}.
+Last line: {"ratio": ..., "identical": ..., "iterations": ..., "load_avg_1min": [at start, at end], ...}.
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    load_start = os.getloadavg()[0]  # other processes' load skews sqlite and CPU waits: reported
     tmp = Path(tempfile.mkdtemp(prefix="tinker-overhead-"))
     os.environ["TINKER_HOME"] = str(tmp / "tinker")
     cfg = bench_config(args.iterations, args.preset)
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  iteration {k}: {dict(list(diff.items())[:4])}")
                 break
     print(json.dumps({"ratio": round(dag / plain, 4), "identical": identical, "iterations": n,
-                      "cpu_ratio": round(dc / pc, 4), "preset": args.preset}))
+                      "cpu_ratio": round(dc / pc, 4), "preset": args.preset,
+                      "load_avg_1min": [round(load_start, 2), round(os.getloadavg()[0], 2)]}))
     return 0
 
 

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 
 from tinker_pipelines import checkpoint as ckpt
 from tinker_pipelines.algorithms.losses import LossBatch, LossConfig, LossFn
+from tinker_pipelines.prefix_sharing import plan_prefix_sharing, shared_prefix_forward, supports_prefix_sharing
 from tinker_pipelines.types import Datum
 
 
@@ -55,6 +56,8 @@ class LearnerConfig:
     """Whether losses get reference logprobs (a KL penalty is on)."""
     value_head: bool = False
     """Train a value head beside the policy (the algorithm is registered with value_head=True)."""
+    share_prefix: bool = True
+    """Run a prefix shared by consecutive datums (a group's prompt) once per micro-batch run (same result)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("lora", "full"):
@@ -179,6 +182,11 @@ class Learner:
         position on (prompts carry no loss; at a 49k vocabulary the output layer and its softmax
         are a large share of the step); earlier positions read 0."""
         B, T = padded.inputs_BT.shape
+        if only_weighted and self.cfg.share_prefix and supports_prefix_sharing(model):
+            plan = plan_prefix_sharing(padded.inputs_BT, padded.mask_BT, padded.fields["weights"])
+            if plan is not None:
+                return shared_prefix_forward(model, plan, padded.inputs_BT, padded.targets_BT, padded.fields["weights"],
+                                             self.cfg.temperature, self.value_head if values else None)
         start = 0
         if only_weighted:
             weighted_B = padded.fields["weights"].ne(0).float().argmax(dim=1)

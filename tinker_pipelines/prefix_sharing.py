@@ -1,0 +1,154 @@
+"""Shared-prefix training forward: a group's common prompt runs once, its completions attend to it.
+
+In a GRPO/RLOO/DPO micro-batch, consecutive datums often share a long token prefix (the prompt),
+which carries no loss. `plan_prefix_sharing` finds those runs from the tokens alone; 
+`shared_prefix_forward` runs each run's prefix once (one row per run), expands the prefix's
+per-layer keys and values to the run's rows, and runs every datum's continuation on top of them
+with its own positions and a mask that hides other runs' prefix padding. The keys and values stay
+in the autograd graph, so the result and its gradients are those of the plain forward (LoRA
+adapters on k/v projections and full-parameter training included), at the cost of the prefix
+tokens once per run instead of once per datum.
+
+The prefix of a run always ends before the first weighted target position of each member, so
+every position that carries loss (multi-turn episodes included) is computed in the continuation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+"""Architectures whose forward is verified to take a grad-carrying `DynamicCache`, explicit
+position ids and a 4D additive mask (tests/test_prefix_sharing.py)."""
+MIN_SHARED_TOKENS = 4
+"""A run must share at least this many tokens to be worth a prefix row."""
+MAX_COST_SHARE = 0.8
+"""Share only when the padded token count of both passes is below this share of the plain one."""
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """How a right-padded [B, T] micro-batch splits into shared prefixes and continuations."""
+
+    run_B: torch.Tensor
+    """Index of each row's run (prefix row), long [B]."""
+    prefix_len_P: torch.Tensor
+    """Shared prefix length of each run, long [P]."""
+    lengths_B: torch.Tensor
+    """Unpadded length of each row, long [B]."""
+
+    @property
+    def prefix_len_B(self) -> torch.Tensor:
+        return self.prefix_len_P[self.run_B]
+
+    @property
+    def cont_len_B(self) -> torch.Tensor:
+        return self.lengths_B - self.prefix_len_B
+
+
+def supports_prefix_sharing(model: torch.nn.Module) -> bool:
+    """Whether the shared forward is known to equal the plain one for this model."""
+    config = getattr(model, "config", None)
+    return (config is not None and getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES
+            and getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
+            and getattr(config, "sliding_window", None) is None)
+
+
+def plan_prefix_sharing(inputs_BT: torch.Tensor, mask_BT: torch.Tensor, weights_BT: torch.Tensor,
+                        min_shared: int = MIN_SHARED_TOKENS, max_cost: float = MAX_COST_SHARE) -> PrefixPlan | None:
+    """Group consecutive rows that share a token prefix; None when sharing would not pay.
+
+    A row may share at most up to its first weighted position (that position's logit is needed).
+    A row joins the current run when the run's shared length stays >= `min_shared` and the
+    run's saving (members beyond the first x shared length) does not drop by joining."""
+    B, T = inputs_BT.shape
+    if B < 2:
+        return None
+    lengths_B = mask_BT.sum(dim=1)
+    has_w_B = weights_BT.ne(0).any(dim=1)
+    first_w_B = torch.where(has_w_B, weights_BT.ne(0).float().argmax(dim=1), lengths_B)
+    cap = first_w_B.tolist()
+    rows, lengths = inputs_BT.tolist(), lengths_B.tolist()
+    runs: list[int] = []
+    prefix_lens: list[int] = []
+    start, n, p = 0, 1, cap[0]
+    for j in range(1, B + 1):
+        if j < B:
+            a, b = rows[start], rows[j]
+            m = min(lengths[start], lengths[j], p, cap[j])
+            lcp = next((k for k in range(m) if a[k] != b[k]), m)
+            if lcp >= min_shared and n * lcp >= (n - 1) * p:
+                n, p = n + 1, lcp
+                continue
+        runs += [len(prefix_lens)] * n
+        prefix_lens.append(p)
+        if j < B:
+            start, n, p = j, 1, cap[j]
+    P = len(prefix_lens)
+    if P == B:
+        return None
+    plan = PrefixPlan(torch.tensor(runs), torch.tensor(prefix_lens), lengths_B)
+    cost = P * max(prefix_lens) + B * int(plan.cont_len_B.max())
+    if cost >= max_cost * B * T:
+        return None
+    return plan
+
+
+def _additive_mask(plan: PrefixPlan, Lp: int, Lc: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, Lc, Lp + Lc]: a continuation token sees its run's prefix (not the prefix rows'
+    padding) and its own earlier continuation tokens; continuation padding only follows valid tokens."""
+    prefix_ok_BK = torch.arange(Lp)[None, :] < plan.prefix_len_B[:, None]
+    causal_CC = torch.ones(Lc, Lc, dtype=torch.bool).tril()
+    allowed_BCK = torch.cat([prefix_ok_BK[:, None, :].expand(-1, Lc, -1),
+                             causal_CC[None].expand(len(plan.run_B), -1, -1)], dim=2)
+    mask = torch.zeros(allowed_BCK.shape, dtype=dtype)
+    return mask.masked_fill(~allowed_BCK, torch.finfo(dtype).min)[:, None]
+
+
+def shared_prefix_forward(model: torch.nn.Module, plan: PrefixPlan, inputs_BT: torch.Tensor,
+                          targets_BT: torch.Tensor, weights_BT: torch.Tensor, temperature: float,
+                          value_head: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs of the targets and (with `value_head`) values, both [B, T]; positions before the
+    first weighted continuation position of the micro-batch, and each run's prefix, read 0."""
+    B, T = inputs_BT.shape
+    device = inputs_BT.device
+    run_B, plen_P = plan.run_B.to(device), plan.prefix_len_P.to(device)
+    plen_B, clen_B = plen_P[run_B], plan.cont_len_B.to(device)
+    P, Lp, Lc = len(plen_P), max(int(plen_P.max()), 1), max(int(clen_B.max()), 1)
+
+    # Prefix pass: one row per run, right-padded, purely causal (padding sits after the tokens it
+    # could disturb, and the continuation mask hides it).
+    first_B = torch.zeros(P, dtype=torch.long, device=device).scatter_reduce(
+        0, run_B, torch.arange(B, device=device), "amin", include_self=False)
+    prefix_PL = inputs_BT[first_B, :Lp]
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prefix_PL, cache=cache, use_cache=True, logits_to_keep=1)
+    expanded = DynamicCache(ddp_cache_data=[(layer.keys.index_select(0, run_B), layer.values.index_select(0, run_B))
+                                            for layer in cache.layers], config=model.config)
+
+    # Continuation pass: row i holds positions plen_i .. len_i - 1; padding is routed to spare columns.
+    j_C = torch.arange(Lc, device=device)
+    valid_BC = j_C[None, :] < clen_B[:, None]
+    pos_BC = plen_B[:, None] + j_C[None, :]
+    gather_BC = torch.where(valid_BC, pos_BC, 0)
+    cont_BC = torch.where(valid_BC, inputs_BT.gather(1, gather_BC), inputs_BT[0, 0])
+    weighted_BC = weights_BT.gather(1, gather_BC).ne(0) & valid_BC
+    start = int(weighted_BC.float().argmax(dim=1)[weighted_BC.any(dim=1)].min()) if weighted_BC.any() else 0
+    dtype = model.get_input_embeddings().weight.dtype
+    out = model(input_ids=cont_BC, attention_mask=_additive_mask(plan, Lp, Lc, dtype).to(device),
+                position_ids=pos_BC, cache=expanded, use_cache=True, logits_to_keep=Lc - start,
+                output_hidden_states=value_head is not None)
+    logprobs_BKV = torch.log_softmax(out.logits.float() / temperature, dim=-1)
+    lp_BK = logprobs_BKV.gather(-1, targets_BT.gather(1, gather_BC)[:, start:, None]).squeeze(-1)
+
+    scatter_BK = torch.where(valid_BC, pos_BC, T + j_C[None, :])[:, start:]
+
+    def to_rows(x_BK: torch.Tensor) -> torch.Tensor:
+        x_BK = x_BK.masked_fill(~valid_BC[:, start:], 0.0)
+        return torch.zeros(B, T + Lc, dtype=x_BK.dtype, device=device).scatter(1, scatter_BK, x_BK)[:, :T]
+
+    values_BT = to_rows(value_head(out.hidden_states[-1][:, start:])) if value_head is not None else None
+    return to_rows(lp_BK), values_BT

@@ -180,7 +180,9 @@ class Learner:
         """Logprobs of the targets and, with `values`, the value head's values, both [B, T]. With
         `only_weighted`, the output layer and the value head run only from the first weighted
         position on (prompts carry no loss; at a 49k vocabulary the output layer and its softmax
-        are a large share of the step); earlier positions read 0."""
+        are a large share of the step); earlier positions read 0. With `cfg.share_prefix`, a prompt
+        shared by consecutive datums runs once per run of them (`prefix_sharing`, the same function);
+        its positions read 0 as well."""
         B, T = padded.inputs_BT.shape
         if only_weighted and self.cfg.share_prefix and supports_prefix_sharing(model):
             plan = plan_prefix_sharing(padded.inputs_BT, padded.mask_BT, padded.fields["weights"])

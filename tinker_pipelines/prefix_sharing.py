@@ -1,7 +1,7 @@
 """Shared-prefix training forward: a group's common prompt runs once, its completions attend to it.
 
 In a GRPO/RLOO/DPO micro-batch, consecutive datums often share a long token prefix (the prompt),
-which carries no loss. `plan_prefix_sharing` finds those runs from the tokens alone; 
+which carries no loss. `plan_prefix_sharing` finds those runs from the tokens alone;
 `shared_prefix_forward` runs each run's prefix once (one row per run), expands the prefix's
 per-layer keys and values to the run's rows, and runs every datum's continuation on top of them
 with its own positions and a mask that hides other runs' prefix padding. The keys and values stay

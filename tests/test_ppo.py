@@ -191,7 +191,7 @@ def test_score_gives_every_algorithm_its_datums(tiny):
 
 
 @pytest.mark.parametrize("field,value", [("gamma", 1.5), ("gae_lambda", -0.1), ("vf_coef", -1.0),
-                                         ("value_clip", float("nan"))])
+                                         ("value_clip", float("nan")), ("value_learning_rate", -1e-3)])
 def test_bad_ppo_hyper_parameters_name_the_field(field, value):
     with pytest.raises(ConfigError, match=f"algorithm.{field}"):
         config_from_dict({"algorithm": {"name": "ppo", field: value}})
@@ -204,3 +204,12 @@ def test_ppo_tiny_config_loads():
 
     cfg = load_config(Path(__file__).parent.parent / "configs" / "ppo_tiny.yaml")
     assert cfg.algorithm.name == "ppo" and get_algorithm(cfg.algorithm.name).value_head
+
+
+def test_value_head_has_its_own_learning_rate(tiny):
+    model, tok = tiny
+    learner = Learner(model, LearnerConfig(mode="full", learning_rate=1e-4, value_head=True, value_learning_rate=3e-3),
+                      tok.pad_token_id)
+    policy_group, head_group = learner.optimizer.param_groups
+    assert policy_group["lr"] == 1e-4 and head_group["lr"] == 3e-3
+    assert {id(p) for p in head_group["params"]} == {id(p) for p in learner.value_head.parameters()}

@@ -72,6 +72,8 @@ class AlgorithmConfig:
     """PPO: new values further than this from the scored ones get no gradient (0 disables)."""
     whiten_advantages: bool = True
     """PPO: scale GAE advantages to mean 0, std 1 over the batch's policy tokens."""
+    value_learning_rate: float = 0.0
+    """PPO: Adam learning rate of the value head (0: training.learning_rate)."""
 
 
 @dataclass(frozen=True)
@@ -194,7 +196,7 @@ class Config:
         _require(a.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0", a.kl_coef)
         for name in ("gamma", "gae_lambda"):
             _require(0 <= getattr(a, name) <= 1, f"algorithm.{name}", "must be in [0, 1]", getattr(a, name))
-        for name in ("vf_coef", "value_clip"):
+        for name in ("vf_coef", "value_clip", "value_learning_rate"):
             v = getattr(a, name)
             _require(v >= 0 and math.isfinite(v), f"algorithm.{name}", "must be >= 0", v)
         self.dpo.validate()

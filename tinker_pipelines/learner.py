@@ -56,6 +56,8 @@ class LearnerConfig:
     """Whether losses get reference logprobs (a KL penalty is on)."""
     value_head: bool = False
     """Train a value head beside the policy (the algorithm is registered with value_head=True)."""
+    value_learning_rate: float = 0.0
+    """Adam learning rate of the value head (0: `learning_rate`)."""
     share_prefix: bool = True
     """Run a prefix shared by consecutive datums (a group's prompt) once per micro-batch run (same result)."""
 
@@ -66,6 +68,8 @@ class LearnerConfig:
             raise ValueError(f"training.learning_rate must be positive, got {self.learning_rate}")
         if self.lora_rank < 1:
             raise ValueError(f"training.lora_rank must be >= 1, got {self.lora_rank}")
+        if self.value_learning_rate < 0 or not math.isfinite(self.value_learning_rate):
+            raise ValueError(f"algorithm.value_learning_rate must be >= 0, got {self.value_learning_rate}")
         if self.micro_batch_size < 1:
             raise ValueError(f"training.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.temperature <= 0:
@@ -158,11 +162,14 @@ class Learner:
             self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.model.eval()  # no dropout: sampling and training see the same function
         self.value_head: ValueHead | None = None
+        groups = [{"params": list(self.params)}]
         if cfg.value_head:
             device = next(self.model.parameters()).device
             self.value_head = ValueHead(self.model.config.hidden_size).to(device)
-            self.params += list(self.value_head.parameters())
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, betas=cfg.betas,
+            head = list(self.value_head.parameters())
+            self.params += head
+            groups.append({"params": head, "lr": cfg.value_learning_rate or cfg.learning_rate})
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
         self.steps = 0
 

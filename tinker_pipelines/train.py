@@ -112,7 +112,8 @@ class Experiment:
                              lora_alpha=t.lora_alpha, grad_clip=t.grad_clip, temperature=t.temperature,
                              micro_batch_size=mb,
                              needs_reference=self.cfg.algorithm.kl_coef > 0 or self.algorithm.needs_reference,
-                             value_head=self.algorithm.value_head)
+                             value_head=self.algorithm.value_head,
+                             value_learning_rate=self.cfg.algorithm.value_learning_rate)
         self.learner = Learner(self.base_model, lcfg, self.tokenizer.pad_token_id,
                                base_name=self.cfg.model.name, adapter_path=adapter_path)
         return self.learner

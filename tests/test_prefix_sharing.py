@@ -1,14 +1,12 @@
 """The shared-prefix training forward equals the plain one: logprobs, values, gradients, reference."""
 
 import copy
-import functools
 import math
 
 import pytest
 import torch
 
 import tinker_pipelines.learner as learner_module
-import tinker_pipelines.train as train_module
 from tinker_pipelines.algorithms import LossConfig, get_algorithm
 from tinker_pipelines.algorithms.losses import LossBatch, masked_mean
 from tinker_pipelines.config import config_from_dict
@@ -168,8 +166,8 @@ def test_train_gives_the_same_metrics_with_and_without_sharing(tmp_path, monkeyp
 
     monkeypatch.setattr(learner_module, "shared_prefix_forward", counted)
     for share in (True, False):
-        monkeypatch.setattr(train_module, "LearnerConfig", functools.partial(LearnerConfig, share_prefix=share))
-        cfg = config_from_dict({**SMALL, "output_dir": str(tmp_path / str(share))})
+        cfg = config_from_dict({**SMALL, "training": {**SMALL["training"], "share_prefix": share},
+                                "output_dir": str(tmp_path / str(share))})
         runs.append([deterministic_metrics(m) for m in train(cfg)])
         calls = len(shared_calls)
         assert (calls > 0) if share else (calls == calls_with_sharing), calls

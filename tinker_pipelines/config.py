@@ -104,6 +104,8 @@ class TrainingConfig:
     """Global gradient-norm clip."""
     micro_batch_size: int = 64
     """Sequences per forward pass."""
+    share_prefix: bool = True
+    """Run a group's shared prompt once in the training forward (same numbers, less compute)."""
 
 
 @dataclass(frozen=True)

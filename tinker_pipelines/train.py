@@ -88,7 +88,8 @@ class Experiment:
         examples = make(s.examples, seed=self.cfg.seed, **{**self.cfg.env.kwargs, **s.kwargs})
         datums = [sft_datum(self.tokenizer, m, c) for m, c in examples]
         learner = Learner(self.base_model, LearnerConfig(mode="full", learning_rate=s.learning_rate,
-                                                         micro_batch_size=self.cfg.training.micro_batch_size),
+                                                         micro_batch_size=self.cfg.training.micro_batch_size,
+                                                         share_prefix=self.cfg.training.share_prefix),
                           self.tokenizer.pad_token_id)
         sft_loss = get_algorithm("sft").loss
         rng = random.Random(derived_seed(self.cfg.seed, "sft"))
@@ -110,7 +111,7 @@ class Experiment:
         mb = max(2, t.micro_batch_size - t.micro_batch_size % 2) if self.algorithm.pairwise else t.micro_batch_size
         lcfg = LearnerConfig(mode=t.mode, learning_rate=t.learning_rate, lora_rank=t.lora_rank,
                              lora_alpha=t.lora_alpha, grad_clip=t.grad_clip, temperature=t.temperature,
-                             micro_batch_size=mb,
+                             micro_batch_size=mb, share_prefix=t.share_prefix,
                              needs_reference=self.cfg.algorithm.kl_coef > 0 or self.algorithm.needs_reference,
                              value_head=self.algorithm.value_head,
                              value_learning_rate=self.cfg.algorithm.value_learning_rate)

@@ -64,7 +64,11 @@ RACE = {
     # for more, one large GRPO step once pushed an agent off the end-of-turn token ('333',
     # '223': KL 4.7 to the base in one step) and it lost nearly every game.
     "rl": {"iterations": 40, "groups_per_batch": 8, "group_size": 8, "learning_rate": 3e-3, "max_new_tokens": 1,
-           "max_turns": 10, "kl_coef": 0.1},
+           "max_turns": 10, "kl_coef": 0.1,
+           # Opponent mixing: besides the 8 self-play seeds, each agent plays 8 seeds x 8 games
+           # against scripted players (half `greedy`, half `optimal`). In self-play alone agent A's
+           # reward barely depends on its policy while B is near-random (see docs/environments.md).
+           "scripted_opponents": ("greedy", "optimal"), "scripted_groups": 8},
     "eval_every": 10,
     "eval_tasks": 300,
     "eval_temperature": 1.0,
@@ -158,7 +162,8 @@ def run_race(seed: int) -> dict:
         s["learning_rate"], seed, "race")
     cfg = MultiAgentConfig(seed=seed, learning_rate=r["learning_rate"], groups_per_batch=r["groups_per_batch"],
                            group_size=r["group_size"], max_new_tokens=r["max_new_tokens"], max_turns=r["max_turns"],
-                           kl_coef=r["kl_coef"])
+                           kl_coef=r["kl_coef"], scripted_opponents=tuple(r["scripted_opponents"]),
+                           scripted_groups=r["scripted_groups"])
     trainer = MultiAgentTrainer(model, tok, RaceGame, cfg)
     eval_seeds = [10_000_000 + i for i in range(RACE["eval_tasks"])]
 
@@ -174,7 +179,9 @@ def run_race(seed: int) -> dict:
         m = trainer.run_iteration(it)
         if (it + 1) % RACE["eval_every"] == 0 or it + 1 == r["iterations"]:
             curve.append((it + 1, win_rates()))
-            print(f"  iteration {it + 1:>3}  self-play win A {m['a/win_rate_selfplay']:.2f}  "
+            mixed = "".join(f"  vs pool {seat.upper()} {m[seat + '/win_rate_scripted']:.2f}" for seat in trainer.seats
+                            if seat + "/win_rate_scripted" in m)
+            print(f"  iteration {it + 1:>3}  self-play win A {m['a/win_rate_selfplay']:.2f}{mixed}  "
                   f"vs {RACE['opponent']}: A {curve[-1][1]['a']:.2f}  B {curve[-1][1]['b']:.2f}  "
                   f"[{time.perf_counter() - t0:.0f} s]", flush=True)
     return {"curve": curve, "seconds": time.perf_counter() - t0}
@@ -186,8 +193,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--race-lr", type=float, default=RACE["rl"]["learning_rate"])
     parser.add_argument("--race-kl", type=float, default=RACE["rl"]["kl_coef"])
+    parser.add_argument("--race-pool", default=",".join(RACE["rl"]["scripted_opponents"]),
+                        help="scripted opponents mixed into race training ('' for self-play only)")
+    parser.add_argument("--race-pool-groups", type=int, default=RACE["rl"]["scripted_groups"])
+    parser.add_argument("--race-iterations", type=int, default=RACE["rl"]["iterations"])
     args = parser.parse_args()
-    RACE["rl"].update(learning_rate=args.race_lr, kl_coef=args.race_kl)
+    pool = tuple(p for p in args.race_pool.split(",") if p)
+    RACE["rl"].update(learning_rate=args.race_lr, kl_coef=args.race_kl, scripted_opponents=pool,
+                      scripted_groups=args.race_pool_groups if pool else 0, iterations=args.race_iterations)
     torch.set_num_threads(1)
     result: dict = {}
     tools = run_tools(args.seed) if args.part in ("all", "tools") else None

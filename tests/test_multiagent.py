@@ -160,3 +160,41 @@ def test_training_agent_a_leaves_agent_b_untouched(tiny):
     metrics = trainer.run_iteration(6)
     assert "a/loss" in metrics and "b/loss" in metrics
     assert 0.0 <= trainer.evaluate("a", lambda: RaceEnv(seat="a"), [0, 1, 2]) <= 1.0
+
+
+def test_scripted_pool_config_is_checked(tiny):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="scripted_groups"):
+        MultiAgentConfig(scripted_groups=-1)
+    with pytest.raises(ValueError, match="scripted_opponents"):
+        MultiAgentConfig(scripted_groups=2)
+    with pytest.raises(ValueError, match="unknown player 'grandmaster'"):
+        MultiAgentTrainer(model, tok, RaceGame, MultiAgentConfig(scripted_opponents=("grandmaster",), scripted_groups=1))
+
+
+def test_opponent_pool_groups_share_start_and_opponent_and_are_trained_on(tiny):
+    model, tok = tiny
+    cfg = MultiAgentConfig(groups_per_batch=2, group_size=4, max_new_tokens=1, max_turns=10, learning_rate=5e-2,
+                           scripted_opponents=("greedy", "optimal"), scripted_groups=4)
+    trainer = MultiAgentTrainer(model, tok, RaceGame, cfg)
+    groups = trainer.rollout_scripted(0, "a")
+    assert len(groups) == 4 and all(len(g.trajectories) == 4 for g in groups)
+    for g in groups:  # one seed per group: the same start total in every game of the group
+        assert len({t.task_id for t in g.trajectories}) == 1
+        assert len({t.turns[0].prompt_tokens for t in g.trajectories}) == 1
+        assert all("win" in t.info for t in g.trajectories)
+    # the same iteration and seat replays the same games; another iteration does not
+    again = trainer.rollout_scripted(0, "a")
+    assert [t.task_id for g in again for t in g.trajectories] == [t.task_id for g in groups for t in g.trajectories]
+    assert {t.task_id for g in trainer.rollout_scripted(1, "a") for t in g.trajectories} != \
+        {t.task_id for g in groups for t in g.trajectories}
+    # the pool's groups join the seat's self-play groups in its one step; the other seat gets none
+    b_before = [p.detach().clone() for p in trainer.learners["b"].params]
+    games = trainer.rollout(0)
+    base = trainer.train_step(games, seats=("a",))
+    mixed = trainer.train_step(games, seats=("a",), extra_groups={"a": groups})
+    assert mixed["a/informative_groups"] == base["a/informative_groups"] + sum(len(set(g.rewards)) > 1 for g in groups)
+    assert all(torch.equal(x, y) for x, y in zip(b_before, trainer.learners["b"].params))
+    m = trainer.run_iteration(1, seats=("a",))
+    assert 0.0 <= m["a/win_rate_scripted"] <= 1.0 and "b/win_rate_scripted" not in m
+    assert set(trainer.scripted_players) == set(SCRIPTED_PLAYERS)  # the default pool: the race players

@@ -29,7 +29,7 @@ from tinker_pipelines.algorithms.losses import LossConfig
 from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.datums import rl_datums
 from tinker_pipelines.envs.base import Env, EnvError
-from tinker_pipelines.envs.two_agent import GameStep, TwoAgentGame
+from tinker_pipelines.envs.two_agent import SCRIPTED_PLAYERS, GameStep, TwoAgentGame, VersusScripted
 from tinker_pipelines.learner import Learner, LearnerConfig
 from tinker_pipelines.models import encode_chat, stop_token_ids
 from tinker_pipelines.rollout.episodes import RolloutConfig, env_reply_tokens, run_episodes
@@ -179,6 +179,18 @@ class MultiAgentConfig:
     micro_batch_size: int = 64
     kl_coef: float = 0.0
     """Weight of a KL penalty to the shared base (each adapter disabled); keeps the format."""
+    scripted_opponents: tuple[str, ...] = ()
+    """Scripted players (names in the trainer's `scripted_players`) each agent also plays every
+    iteration, besides self-play: an opponent pool whose play does not move with the other agent."""
+    scripted_groups: int = 0
+    """Seeds per seat per iteration against the pool (cycled over `scripted_opponents`), each
+    `group_size` games; their groups join the seat's self-play groups in one optimizer step."""
+
+    def __post_init__(self) -> None:
+        if self.scripted_groups < 0:
+            raise ValueError(f"multiagent.scripted_groups must be >= 0, got {self.scripted_groups}")
+        if self.scripted_groups and not self.scripted_opponents:
+            raise ValueError("multiagent.scripted_opponents is empty but scripted_groups > 0")
 
 
 def seat_groups(games: list[dict[str, Trajectory]], seat: str, group_size: int) -> list[TrajectoryGroup]:
@@ -196,8 +208,16 @@ class MultiAgentTrainer:
     """Two (or more) agents, one LoRA adapter each, on one resident base model."""
 
     def __init__(self, base_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 make_game: Callable[[], TwoAgentGame], cfg: MultiAgentConfig = MultiAgentConfig()):
+                 make_game: Callable[[], TwoAgentGame], cfg: MultiAgentConfig = MultiAgentConfig(),
+                 scripted_players: dict[str, Callable] | None = None):
+        """`scripted_players`: the pool `cfg.scripted_opponents` names from (default: the race
+        players of `envs.two_agent.SCRIPTED_PLAYERS`)."""
         self.cfg, self.tokenizer, self.make_game = cfg, tokenizer, make_game
+        self.scripted_players = SCRIPTED_PLAYERS if scripted_players is None else scripted_players
+        for name in cfg.scripted_opponents:
+            if name not in self.scripted_players:
+                raise ValueError(f"multiagent.scripted_opponents: unknown player {name!r} "
+                                 f"(known: {', '.join(self.scripted_players)})")
         self.algorithm = get_algorithm(cfg.algorithm)
         self.loss_cfg = LossConfig(kl_coef=cfg.kl_coef)
         lcfg = LearnerConfig(mode="lora", learning_rate=cfg.learning_rate, lora_rank=cfg.lora_rank,
@@ -229,11 +249,33 @@ class MultiAgentTrainer:
         return run_games(self.policies(), self.tokenizer, [self.make_game() for _ in seeds], seeds,
                          self.rollout_cfg, gen)
 
-    def train_step(self, games: list[dict[str, Trajectory]], seats: tuple[str, ...] | None = None) -> dict[str, float]:
-        """One optimizer step per seat in `seats` (default: all) on its own trajectories."""
+    def rollout_scripted(self, iteration: int, seat: str) -> list[TrajectoryGroup]:
+        """`scripted_groups` seeds x `group_size` games of `seat`'s agent against the scripted pool
+        (seed k plays `scripted_opponents[k % len]`); one group per seed: the same start and
+        opponent script, so the group baseline compares the agent's own moves."""
+        from tinker_pipelines.train import derived_seed
+
+        cfg = self.cfg
+        if not cfg.scripted_groups:
+            return []
+        rng = random.Random(derived_seed(cfg.seed, "scripted-games", seat, iteration))
+        seeds = [rng.randrange(2**31) for _ in range(cfg.scripted_groups)]
+        names = [cfg.scripted_opponents[k % len(cfg.scripted_opponents)] for k in range(len(seeds))]
+        envs = [VersusScripted(self.make_game(), seat, self.scripted_players[n]) for n in names
+                for _ in range(cfg.group_size)]
+        seeds = [s for s in seeds for _ in range(cfg.group_size)]
+        gen = torch.Generator().manual_seed(derived_seed(cfg.seed, "scripted-sample", seat, iteration))
+        self.learners[seat].activate()
+        trajs = run_episodes(self.sampler, self.tokenizer, envs, seeds, self.rollout_cfg, gen)
+        return [TrajectoryGroup(tuple(trajs[i:i + cfg.group_size])) for i in range(0, len(trajs), cfg.group_size)]
+
+    def train_step(self, games: list[dict[str, Trajectory]], seats: tuple[str, ...] | None = None,
+                   extra_groups: dict[str, list[TrajectoryGroup]] | None = None) -> dict[str, float]:
+        """One optimizer step per seat in `seats` (default: all) on its own trajectories (self-play
+        groups plus that seat's `extra_groups`, e.g. games against the scripted pool)."""
         metrics: dict[str, float] = {}
         for seat in seats or self.seats:
-            groups = seat_groups(games, seat, self.cfg.group_size)
+            groups = seat_groups(games, seat, self.cfg.group_size) + list((extra_groups or {}).get(seat, []))
             datums = rl_datums(groups, self.algorithm.advantages) if groups else []
             metrics[f"{seat}/informative_groups"] = float(sum(len(set(g.rewards)) > 1 for g in groups))
             if not datums:
@@ -252,7 +294,12 @@ class MultiAgentTrainer:
             metrics[f"{seat}/reward_mean"] = statistics.fmean(rewards)
             metrics[f"{seat}/win_rate_selfplay"] = statistics.fmean(float(r > 0) for r in rewards)
         metrics["cut_short"] = statistics.fmean(float(g[self.seats[0]].stop_reason != "done") for g in games)
-        metrics.update(self.train_step(games, seats))
+        extra = {seat: self.rollout_scripted(iteration, seat) for seat in seats or self.seats}
+        for seat, groups in extra.items():
+            if groups:
+                metrics[f"{seat}/win_rate_scripted"] = statistics.fmean(
+                    float(t.info.get("win", 0.0)) for g in groups for t in g.trajectories)
+        metrics.update(self.train_step(games, seats, extra))
         self.iteration = iteration + 1
         return metrics
 

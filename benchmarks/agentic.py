@@ -38,7 +38,7 @@ from tinker_pipelines.datums import rl_datums, sft_datum
 from tinker_pipelines.envs.tool_env import MultiplyEnv
 from tinker_pipelines.envs.two_agent import RaceEnv, RaceGame
 from tinker_pipelines.learner import Learner, LearnerConfig
-from tinker_pipelines.models import load_model, stop_token_ids
+from tinker_pipelines.models import encode_chat, load_model, stop_token_ids
 from tinker_pipelines.multiagent import MultiAgentConfig, MultiAgentTrainer
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes, run_groups
 from tinker_pipelines.rollout.sampler import Sampler
@@ -151,6 +151,26 @@ def run_tools(seed: int) -> dict:
     return {"before": before, "after": after, "seconds": time.perf_counter() - t0}
 
 
+def take_win_prob(trainer: MultiAgentTrainer, seat: str) -> float:
+    """Mean probability, over totals 7, 8, 9, that the seat's agent plays the winning move, read
+    from its next-token distribution at the prompt it sees there. Any policy that ignores the
+    total scores exactly 1/3 (its three move probabilities, one per total): above 1/3 the agent
+    reads the position."""
+    game = RaceGame()
+    system = {"role": "system", "content": game.rules()}
+    learner = trainer.learners[seat]
+    learner.activate()
+    probs = []
+    for total in range(game.target - game.max_add, game.target):
+        text = f"Total is {total}. Your move." if seat == "a" else f"Opponent adds 1. Total is {total}. Your move."
+        ids = encode_chat(trainer.tokenizer, [system, {"role": "user", "content": text}])
+        with torch.no_grad():
+            logits = trainer.model(torch.tensor([ids])).logits[0, -1]
+        win = trainer.tokenizer.encode(str(game.target - total), add_special_tokens=False)[0]
+        probs.append(torch.softmax(logits.float(), -1)[win].item())
+    return statistics.fmean(probs)
+
+
 def run_race(seed: int) -> dict:
     print("== two agents: race to 10, self-play, two LoRA adapters on one base ==", flush=True)
     t0 = time.perf_counter()
@@ -167,7 +187,10 @@ def run_race(seed: int) -> dict:
     trainer = MultiAgentTrainer(model, tok, RaceGame, cfg)
     eval_seeds = [10_000_000 + i for i in range(RACE["eval_tasks"])]
 
+    take_win: list[dict[str, float]] = []
+
     def win_rates() -> dict[str, float]:
+        take_win.append({seat: take_win_prob(trainer, seat) for seat in trainer.seats})
         return {seat: trainer.evaluate(seat, lambda: RaceEnv(seat=seat, opponent=RACE["opponent"]), eval_seeds,
                                        temperature=RACE["eval_temperature"], seed=seed)
                 for seat in trainer.seats}
@@ -184,7 +207,7 @@ def run_race(seed: int) -> dict:
             print(f"  iteration {it + 1:>3}  self-play win A {m['a/win_rate_selfplay']:.2f}{mixed}  "
                   f"vs {RACE['opponent']}: A {curve[-1][1]['a']:.2f}  B {curve[-1][1]['b']:.2f}  "
                   f"[{time.perf_counter() - t0:.0f} s]", flush=True)
-    return {"curve": curve, "seconds": time.perf_counter() - t0}
+    return {"curve": curve, "take_win": take_win, "seconds": time.perf_counter() - t0}
 
 
 def main() -> None:
@@ -219,11 +242,16 @@ def main() -> None:
         print(f"{'win rate vs ' + RACE['opponent'] + ' player':<36}" + "".join(f"{'it ' + str(i):>8}" for i, _ in curve))
         for seat, name in (("a", "agent A (moves first)"), ("b", "agent B (moves second)")):
             print(f"{'  ' + name:<36}" + "".join(f"{w[seat]:>8.2f}" for _, w in curve))
+        print("P(winning move | total 7..9); 1/3 = blind to the total")
+        for seat in race["take_win"][0]:
+            print(f"{'  agent ' + seat.upper():<36}" + "".join(f"{w[seat]:>8.2f}" for w in race["take_win"]))
         print(f"  ({race['seconds'] / 60:.1f} min)")
         result.update(agent_a_before=curve[0][1]["a"], agent_a_after=curve[-1][1]["a"],
                       agent_b_before=curve[0][1]["b"], agent_b_after=curve[-1][1]["b"],
                       agent_a_min_during=min(w["a"] for _, w in curve[1:]),
-                      agent_b_min_during=min(w["b"] for _, w in curve[1:]))
+                      agent_b_min_during=min(w["b"] for _, w in curve[1:]),
+                      agent_a_take_win_before=race["take_win"][0]["a"], agent_a_take_win_after=race["take_win"][-1]["a"],
+                      agent_b_take_win_before=race["take_win"][0]["b"], agent_b_take_win_after=race["take_win"][-1]["b"])
     print(json.dumps(result))
 
 

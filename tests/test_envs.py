@@ -211,6 +211,22 @@ def test_race_illegal_move_then_legal_play_goes_on():
         RaceEnv(illegal_penalty=1.5)
 
 
+def test_race_read_examples_answer_the_total_and_teach_no_moves():
+    examples = RaceEnv.sft_examples(300, seed=0, read_fraction=0.4)
+    reads = [(m, reply) for m, reply in examples if m[-1]["content"].endswith("What is the total?")]
+    assert len(reads) == 120 and len(examples) == 300
+    for m, reply in reads:  # the answer is the total stated in the message, never a move choice
+        assert reply == m[-1]["content"].split("Total is ")[1].split(".")[0]
+        assert m[0]["role"] == "system" and "Race to 10" in m[0]["content"]
+    assert len({reply for _, reply in reads}) == 10  # every total 0..9 appears
+    moves = [reply for m, reply in examples if not m[-1]["content"].endswith("What is the total?")]
+    assert set(moves) == {"1", "2", "3"}
+    assert any("What" in m[-1]["content"] for m, _ in examples[:60])  # mixed in, not all at the end
+    assert RaceEnv.sft_examples(50, seed=0) == RaceEnv.sft_examples(50, seed=0, read_fraction=0.0)
+    with pytest.raises(ValueError, match="read_fraction"):
+        RaceEnv.sft_examples(10, read_fraction=1.0)
+
+
 def _doc_example():
     text = (Path(__file__).parents[1] / "docs" / "environments.md").read_text()
     code = text.split("<!-- example-env")[1].split("```python\n", 1)[1].split("```", 1)[0]

@@ -244,15 +244,27 @@ class RaceEnv(VersusScripted):
                          SCRIPTED_PLAYERS[opponent])
 
     @staticmethod
-    def sft_examples(n: int, seed: int = 0, illegal_fraction: float = 0.0,
+    def sft_examples(n: int, seed: int = 0, illegal_fraction: float = 0.0, read_fraction: float = 0.0,
                      **game_kwargs: Any) -> list[tuple[list, str]]:
         """Legal but random moves from both seats' points of view: the format, not the strategy.
         With `illegal_fraction`, that share of moves comes after an illegal reply and the game's
-        answer to it (the illegal reply is context only, never a target): how to recover."""
+        answer to it (the illegal reply is context only, never a target): how to recover.
+        With `read_fraction`, that share of the examples asks "What is the total?" after a game
+        message and answers the total: the model learns to read the position (random moves alone
+        never depend on it, and a policy that ignores the total cannot learn the game), still
+        nothing of the strategy."""
+        if not 0 <= read_fraction < 1:
+            raise ValueError(f"sft.read_fraction must be in [0, 1), got {read_fraction}")
         kwargs = {k: v for k, v in game_kwargs.items()
                   if k in ("target", "max_add", "max_start", "balanced", "max_illegal", "illegal_penalty")}
         rng = random.Random(seed)
         out: list[tuple[list, str]] = []
+        rules = {"role": "system", "content": RaceGame(**kwargs).rules()}
+        target, max_add = kwargs.get("target", 10), kwargs.get("max_add", 3)
+        for _ in range(round(n * read_fraction)):
+            total = rng.randrange(target)
+            said = rng.choice([f"Total is {total}.", f"Opponent adds {rng.randint(1, max_add)}. Total is {total}."])
+            out.append(([rules, {"role": "user", "content": f"{said} What is the total?"}], str(total)))
         while len(out) < n:
             game = RaceGame(**kwargs)
             views = {s: list(m) for s, m in game.reset(rng.randrange(2**31)).items()}
@@ -268,4 +280,6 @@ class RaceEnv(VersusScripted):
                 views[seat].append({"role": "assistant", "content": move})
                 for s, obs in game.step(move).observations.items():
                     views[s] += obs
+        if read_fraction:
+            rng.shuffle(out)
         return out

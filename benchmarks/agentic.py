@@ -13,11 +13,14 @@
    ~1M-parameter tiny model learns the tag format but not to copy operands and results.)
 2. **Two agents** (`race`, race to 10 adding 1..3): one tiny base model warm-started on random
    legal moves (the format, not the strategy; some after an illegal reply), then two LoRA adapters
-   on that one base trained together by self-play (zero-sum rewards; an illegal move costs 0.1 and
-   is retried). Reported: each agent's win rate against the scripted `greedy` player (wins when it
+   on that one base trained together: each iteration, self-play games between the two agents
+   (zero-sum rewards; an illegal move costs 0.1 and is retried) plus, for each agent, games
+   against a pool of scripted players (`RACE["rl"]["scripted_opponents"]`, `--race-pool`; '' for
+   self-play only); both adapters take one step per iteration. Reported: each agent's win rate against the scripted `greedy` player (wins when it
    can, otherwise random), before, during and after, over held-out games sampled at temperature 1
    (the policy RL trains; after a format-only warm start the greedy argmax of a near-uniform move
-   distribution is an arbitrary fixed policy).
+   distribution is an arbitrary fixed policy), and P(winning move | total 7..9), 1/3 for any
+   policy that ignores the total.
 
 Prints a table; the last line is one JSON object.
 """

@@ -67,11 +67,12 @@ RACE = {
     # for more, one large GRPO step once pushed an agent off the end-of-turn token ('333',
     # '223': KL 4.7 to the base in one step) and it lost nearly every game.
     "rl": {"iterations": 40, "groups_per_batch": 8, "group_size": 8, "learning_rate": 3e-3, "max_new_tokens": 1,
-           "max_turns": 10, "kl_coef": 0.1,
-           # Opponent mixing: besides the 8 self-play seeds, each agent plays 8 seeds x 8 games
-           # against scripted players (half `greedy`, half `optimal`). In self-play alone agent A's
-           # reward barely depends on its policy while B is near-random (see docs/environments.md).
-           "scripted_opponents": ("greedy", "optimal"), "scripted_groups": 8},
+           "max_turns": 10, "kl_coef": 0.0,
+           # Opponent mixing: besides the 8 self-play seeds, each agent plays 16 seeds x 8 games
+           # against the scripted `greedy` player (on other seeds than the evaluation's). In
+           # self-play alone agent A's reward barely depends on its policy while B is near-random
+           # (see docs/environments.md). KL 0: the only setting in which A reached its ceiling.
+           "scripted_opponents": ("greedy",), "scripted_groups": 16},
     "eval_every": 10,
     "eval_tasks": 300,
     "eval_temperature": 1.0,

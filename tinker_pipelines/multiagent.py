@@ -11,6 +11,9 @@ game's seat rewards sum to zero.
 `MultiAgentTrainer` holds one `Learner` per seat over a shared `PeftModel` and runs self-play
 iterations: rollout, then a GRPO (or any registered algorithm) step per agent on its own
 trajectories, grouped by game seed. Training one agent never touches the other's adapter.
+With `scripted_opponents`, each agent also plays groups against scripted players every iteration
+(an opponent pool: its reward then depends on its own play even while the other agent is weak or
+moving), and those groups join its self-play groups in the same step.
 Pure library: no dagster.
 """
 

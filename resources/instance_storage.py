@@ -87,17 +87,22 @@ class _Pooled:
         self._pool.dispose()
 
 
-class TinkerSqliteRunStorage(_Pooled, SqliteRunStorage):
-    """Runs, tags, daemon heartbeats: `<base_dir>/runs.db`."""
+class _PooledLocal(_Pooled):
+    """Mixin for the storages whose connections come from `connect()` and that are configured
+    by `from_local` (runs, schedules)."""
 
     @classmethod
-    def from_config_value(cls, inst_data, config_value):  # the parent hard-codes its own class
+    def from_config_value(cls, inst_data, config_value):  # the parents hard-code their own class
         return cls.from_local(inst_data=inst_data, **config_value)
 
     @contextmanager
     def connect(self) -> Iterator[sa.Connection]:
         with self._pool.transaction() as conn:
             yield conn
+
+
+class TinkerSqliteRunStorage(_PooledLocal, SqliteRunStorage):
+    """Runs, tags, daemon heartbeats: `<base_dir>/runs.db`."""
 
 
 class TinkerSqliteEventLogStorage(_Pooled, ConsolidatedSqliteEventLogStorage):
@@ -114,14 +119,5 @@ class TinkerSqliteEventLogStorage(_Pooled, ConsolidatedSqliteEventLogStorage):
             return bool(engine.dialect.has_table(conn, table_name))
 
 
-class TinkerSqliteScheduleStorage(_Pooled, SqliteScheduleStorage):
+class TinkerSqliteScheduleStorage(_PooledLocal, SqliteScheduleStorage):
     """Sensor and schedule ticks: `<base_dir>/schedules.db`."""
-
-    @classmethod
-    def from_config_value(cls, inst_data, config_value):  # the parent hard-codes its own class
-        return cls.from_local(inst_data=inst_data, **config_value)
-
-    @contextmanager
-    def connect(self) -> Iterator[sa.Connection]:
-        with self._pool.transaction() as conn:
-            yield conn

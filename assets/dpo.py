@@ -14,7 +14,7 @@ import dagster as dg
 
 from assets import checks
 from assets.lineage import load_settings, save_settings, settings_config
-from assets.partitions import EXPERIMENTS, check_experiment
+from assets.partitions import EXPERIMENTS, check_experiment, ensure_partition, uri_value
 from assets.run_config import RLConfig
 from assets.sft import sft_checkpoint
 from resources import ArtifactStoreResource, MLflowResource
@@ -36,10 +36,6 @@ class DPOJobConfig(RLConfig):
 
 def pairs_key(experiment: str) -> str:
     return f"{experiment}/dpo/preference_pairs.pkl"
-
-
-def _uri_value(uri: str) -> dg.MetadataValue:
-    return dg.MetadataValue.url(uri) if "://" in uri else dg.MetadataValue.path(uri)
 
 
 def _experiment(cfg: Config, store, name: str) -> Experiment:
@@ -65,8 +61,7 @@ def preference_pairs(context: dg.AssetExecutionContext, config: DPOJobConfig,
     cfg = config.to_library_config()  # validates before any model loads
     if not get_algorithm(cfg.algorithm.name).pairwise:
         raise dg.Failure(f"algorithm.name is {cfg.algorithm.name!r}: the dpo job needs a preference loss (dpo)")
-    if not context.instance.has_dynamic_partition(EXPERIMENTS.name, name):
-        context.instance.add_dynamic_partitions(EXPERIMENTS.name, [name])
+    ensure_partition(context.instance, EXPERIMENTS, name)
     store = artifact_store.store()
     save_settings(store, name, config.settings())
     start = time.perf_counter()
@@ -78,7 +73,7 @@ def preference_pairs(context: dg.AssetExecutionContext, config: DPOJobConfig,
     uri = store.put_bytes(pairs_key(name), dumps(pairs))
     stats = summarize_pairs(pairs)
     return dg.MaterializeResult(metadata={
-        "path": _uri_value(uri), "store_key": pairs_key(name), "pairs": len(pairs), "tasks_sampled": tasks,
+        "path": uri_value(uri), "store_key": pairs_key(name), "pairs": len(pairs), "tasks_sampled": tasks,
         **{k: v for k, v in stats.items() if k != "pairs"},
         "policy": f"sft checkpoint {name}/sft" if cfg.sft.steps else f"base model {cfg.model.name}",
         "wall_time_s": round(time.perf_counter() - start, 3)})
@@ -126,7 +121,7 @@ def dpo_checkpoint(context: dg.AssetExecutionContext, artifact_store: ArtifactSt
     score = checks.eval_score(after)
     tracker.set_version_tag(model_name, version, "eval_score", score)
     return dg.MaterializeResult(
-        metadata={"path": _uri_value(uri), "store_key": key, "content_hash": record["content_hash"],
+        metadata={"path": uri_value(uri), "store_key": key, "content_hash": record["content_hash"],
                   "model_version": version, "registered_model": model_name, "mlflow_run_id": run_id,
                   "steps": len(history), "pairs": len(pairs), "loss_first": history[0]["loss"],
                   "loss_last": after["loss"], "score": score,

@@ -7,7 +7,7 @@ from typing import Any
 
 import dagster as dg
 
-from assets.partitions import ITERATIONS, iteration_key
+from assets.partitions import ITERATIONS, ensure_partition, iteration_key
 
 
 def rl_run_config(config: dict[str, Any], auto_continue: bool = False) -> dict[str, Any]:
@@ -43,8 +43,7 @@ def run_iterations(instance: dg.DagsterInstance, experiment: str, config: dict[s
     results = []
     for k in range(start, stop):
         key = iteration_key(experiment, k)
-        if not instance.has_dynamic_partition(ITERATIONS.name, key):
-            instance.add_dynamic_partitions(ITERATIONS.name, [key])
+        ensure_partition(instance, ITERATIONS, key)
         with dg.execute_job(job, instance, run_config=run_config, tags={"dagster/partition": key},
                             asset_selection=iteration_assets(config, k), raise_on_error=raise_on_error) as result:
             results.append(result.success)
@@ -59,8 +58,7 @@ def run_sft(instance: dg.DagsterInstance, experiment: str, config: dict[str, Any
     from tinker_pipelines.definitions import sft_job
 
     check_experiment(experiment)
-    if not instance.has_dynamic_partition(EXPERIMENTS.name, experiment):
-        instance.add_dynamic_partitions(EXPERIMENTS.name, [experiment])
+    ensure_partition(instance, EXPERIMENTS, experiment)
     run_config = {"ops": {"sft_checkpoint": {"config": config}}}
     with dg.execute_job(dg.reconstructable(sft_job), instance, run_config=run_config,
                         tags={"dagster/partition": experiment}, raise_on_error=True) as result:

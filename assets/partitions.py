@@ -15,6 +15,20 @@ ITERATIONS = dg.DynamicPartitionsDefinition(name="iterations")
 EXPERIMENTS = dg.DynamicPartitionsDefinition(name="experiments")
 """Keys `<experiment>`: per-experiment assets (the SFT warm start)."""
 
+
+
+def ensure_partition(instance: dg.DagsterInstance, partitions: dg.DynamicPartitionsDefinition, key: str) -> None:
+    """Add `key` to a dynamic partitions definition unless it is there (`dagster job execute`
+    with a partition tag adds none, so the first asset of a run does it)."""
+    if not instance.has_dynamic_partition(partitions.name, key):
+        instance.add_dynamic_partitions(partitions.name, [key])
+
+
+def uri_value(uri: str) -> dg.MetadataValue:
+    """Metadata for an artifact-store URI: a link for remote stores, a path for local disk."""
+    return dg.MetadataValue.url(uri) if "://" in uri else dg.MetadataValue.path(uri)
+
+
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 

@@ -7,7 +7,7 @@ import time
 import dagster as dg
 
 from assets.lineage import save_settings
-from assets.partitions import EXPERIMENTS, check_experiment
+from assets.partitions import EXPERIMENTS, check_experiment, ensure_partition, uri_value
 from assets.run_config import RLConfig
 from resources import ArtifactStoreResource, MLflowResource
 from tinker_pipelines.checkpoint import content_hash
@@ -20,8 +20,7 @@ def sft_checkpoint(context: dg.AssetExecutionContext, config: RLConfig, artifact
     """Full-parameter SFT of the base model on the env's demonstrations (sft.* of the config)."""
     name = check_experiment(context.partition_key)
     cfg = config.to_library_config()
-    if not context.instance.has_dynamic_partition(EXPERIMENTS.name, name):  # `dagster job execute` adds none
-        context.instance.add_dynamic_partitions(EXPERIMENTS.name, [name])
+    ensure_partition(context.instance, EXPERIMENTS, name)
     if cfg.sft.steps < 1:
         raise dg.Failure(f"sft.steps is {cfg.sft.steps}: nothing to train (set sft.steps > 0)")
     store = artifact_store.store()
@@ -34,11 +33,10 @@ def sft_checkpoint(context: dg.AssetExecutionContext, config: RLConfig, artifact
     key = f"{name}/sft"
     local = store.write_dir(key)
     local.mkdir(parents=True, exist_ok=True)
-    exp.base_model.save_pretrained(str(local))
-    exp.tokenizer.save_pretrained(str(local))
+    exp.save_base(local)
     uri = store.put_dir(local, key)
     tracker.log_series_once(run_id, "sft/loss", [m["loss"] for m in history])
     return dg.MaterializeResult(metadata={
-        "path": dg.MetadataValue.url(uri) if "://" in uri else dg.MetadataValue.path(uri), "store_key": key,
+        "path": uri_value(uri), "store_key": key,
         "content_hash": content_hash(local), "steps": len(history), "final_loss": history[-1]["loss"],
         "mlflow_run_id": run_id, "wall_time_s": round(time.perf_counter() - start, 3)})

@@ -14,7 +14,8 @@ import dagster as dg
 
 from assets import checks
 from assets.lineage import adapter_dir, find_adapter, load_settings, save_settings, settings_config
-from assets.partitions import ITERATIONS, iteration_key, parse_iteration_key, store_key
+from assets.partitions import (ITERATIONS, ensure_partition, iteration_key, parse_iteration_key, store_key,
+                               uri_value)
 from assets.run_config import RLConfig
 from resources import ArtifactStoreResource, MLflowResource, PolicyEngine
 from tinker_pipelines.tracking import registered_model_name
@@ -73,10 +74,6 @@ class _Step:
         return round(time.perf_counter() - self.start, 4)
 
 
-def _uri_value(uri: str) -> dg.MetadataValue:
-    return dg.MetadataValue.url(uri) if "://" in uri else dg.MetadataValue.path(uri)
-
-
 @dg.asset(partitions_def=ITERATIONS, group_name=GROUP, kinds={"pytorch"},
           check_specs=[dg.AssetCheckSpec(checks.REWARDS_FINITE, asset="rollout_batch", blocking=True,
                                          description="Every episode's reward is finite.")])
@@ -85,8 +82,7 @@ def rollout_batch(context: dg.AssetExecutionContext, config: RLConfig, policy_en
     """groups_per_batch tasks x group_size episodes sampled from the policy after iteration k-1."""
     name, k = parse_iteration_key(context.partition_key)
     settings = config.settings()  # validates: a bad config fails here, naming the field, before any model loads
-    if not context.instance.has_dynamic_partition(ITERATIONS.name, context.partition_key):
-        context.instance.add_dynamic_partitions(ITERATIONS.name, [context.partition_key])
+    ensure_partition(context.instance, ITERATIONS, context.partition_key)
     step = _Step(context, policy_engine, artifact_store, mlflow,
                  save_settings(artifact_store.store(), name, settings))
     run_id = step.run_id()
@@ -96,7 +92,7 @@ def rollout_batch(context: dg.AssetExecutionContext, config: RLConfig, policy_en
     uri = step.save("rollout.pkl", {"groups": ro.groups, "metrics": ro.metrics})
     m = ro.metrics
     return dg.MaterializeResult(
-        metadata={"path": _uri_value(uri), "reward_mean": m["reward_mean"], "reward_std": m["reward_std"],
+        metadata={"path": uri_value(uri), "reward_mean": m["reward_mean"], "reward_std": m["reward_std"],
                   "exact_rate": m.get("exact_rate", float("nan")), "sampled_tokens": int(m["sampled_tokens"]),
                   "episodes": int(m["episodes"]), "wall_time_s": step.elapsed(), "mlflow_run_id": run_id,
                   "policy": prev.uri if prev else f"base model {step.cfg.model.name}",
@@ -115,7 +111,7 @@ def scored_trajectories(context: dg.AssetExecutionContext, policy_engine: Policy
     uri = step.save("datums.pkl", datums)
     advs = [abs(a) for d in datums for a, w in zip(d.advantages, d.weights) if w]
     return dg.MaterializeResult(metadata={
-        "path": _uri_value(uri), "datums": len(datums),
+        "path": uri_value(uri), "datums": len(datums),
         "informative_groups": sum(len(set(g.rewards)) > 1 for g in groups),
         "trained_tokens": int(sum(sum(d.weights) for d in datums)),
         "advantage_abs_mean": sum(advs) / len(advs) if advs else 0.0, "wall_time_s": step.elapsed()})
@@ -150,7 +146,7 @@ def adapter_checkpoint(context: dg.AssetExecutionContext, policy_engine: PolicyE
               "content_hash": record["content_hash"], "tinker.experiment": name, "iteration": str(k),
               "parent_version": prev.model_version if prev else "", "store_uri": uri})
     return dg.MaterializeResult(
-        metadata={"path": _uri_value(uri), "store_key": key, "content_hash": record["content_hash"],
+        metadata={"path": uri_value(uri), "store_key": key, "content_hash": record["content_hash"],
                   "model_version": version, "registered_model": step.model_name, "mlflow_run_id": run_id,
                   "reward_mean": metrics["reward_mean"], "reward_std": metrics["reward_std"],
                   "kl": metrics.get("kl", float("nan")), "loss": metrics.get("loss", float("nan")),
@@ -195,7 +191,7 @@ def eval_report(context: dg.AssetExecutionContext, policy_engine: PolicyEngine,
     yield dg.MaterializeResult(
         metadata={**{key.replace("eval/", "eval_"): v for key, v in metrics.items()}, "score": score,
                   "model_version": ref.model_version if ref else "none", "mlflow_run_id": run_id,
-                  "learning_curve": _uri_value(stored), "learning_curve_mlflow": png_uri,
+                  "learning_curve": uri_value(stored), "learning_curve_mlflow": png_uri,
                   "learning_curve_png": dg.MetadataValue.md(
                       f"![learning curve](data:image/png;base64,{base64.b64encode(png).decode()})"),
                   "wall_time_s": step.elapsed()},

@@ -8,7 +8,6 @@ policy: the adapter-disabled base under LoRA, a frozen copy under full-parameter
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from tinker_pipelines.config import Config
 from tinker_pipelines.learner import Learner, pad_datums
 from tinker_pipelines.preferences import PreferencePair, generate_pairs, pair_datums, summarize_pairs
 from tinker_pipelines.tracking.store import dumps
-from tinker_pipelines.train import Experiment, derived_seed
+from tinker_pipelines.train import Experiment, append_metrics, derived_seed
 
 OnMetrics = Callable[[dict[str, float]], None]
 
@@ -45,7 +44,7 @@ def pair_metrics(learner: Learner, pairs: list[PreferencePair], beta: float) -> 
     """DPO loss, implicit-reward accuracy and margin of the current policy on `pairs` (no gradient)."""
     datums = pair_datums(pairs)
     totals: dict[str, float] = {}
-    mb = max(2, learner.cfg.micro_batch_size - learner.cfg.micro_batch_size % 2)
+    mb = learner.cfg.micro_batch_size  # even: `Experiment.start_rl` keeps pairs whole
     for start in range(0, len(datums), mb):
         chunk = datums[start:start + mb]
         padded = pad_datums(chunk, learner.pad_token_id)
@@ -112,8 +111,7 @@ def train_dpo(cfg: Config, on_iteration: OnMetrics | None = None,
     exp = Experiment(cfg)
     if cfg.sft.steps:
         exp.sft(on_sft_step)
-        exp.base_model.save_pretrained(out / "sft")
-        exp.tokenizer.save_pretrained(out / "sft")
+        exp.save_base(out / "sft")
     pairs, tasks = preference_pairs(exp)
     (out / "preference_pairs.pkl").write_bytes(dumps(pairs))
     exp.start_rl()
@@ -121,8 +119,7 @@ def train_dpo(cfg: Config, on_iteration: OnMetrics | None = None,
     log.write_text("")
 
     def record(metrics: dict[str, float]) -> None:
-        with open(log, "a") as f:
-            f.write(json.dumps(metrics, sort_keys=True) + "\n")
+        append_metrics(log, metrics)
         if on_iteration:
             on_iteration(metrics)
 

@@ -104,6 +104,11 @@ class Experiment:
         self.base_model.requires_grad_(False)
         return history
 
+    def save_base(self, path: str | Path) -> None:
+        """Write the (warm-started) base model and its tokenizer as a Hugging Face directory."""
+        self.base_model.save_pretrained(str(path))
+        self.tokenizer.save_pretrained(str(path))
+
     def start_rl(self, adapter_path: str | Path | None = None) -> Learner:
         """Build the RL learner over the (possibly warm-started) base model."""
         t = self.cfg.training
@@ -226,8 +231,7 @@ def train(cfg: Config, on_iteration: Callable[[dict[str, float]], None] | None =
     latest = sorted(ckpt_dir.glob("iter_*")) if resume else []
     if cfg.sft.steps and not latest:
         exp.sft(on_sft_step)
-        exp.base_model.save_pretrained(out / "sft")
-        exp.tokenizer.save_pretrained(out / "sft")
+        exp.save_base(out / "sft")
     elif cfg.sft.steps and latest:
         from transformers import AutoModelForCausalLM
 
@@ -240,20 +244,21 @@ def train(cfg: Config, on_iteration: Callable[[dict[str, float]], None] | None =
         (out / "metrics.jsonl").write_text("")
         if cfg.eval.every:
             before = {"iteration": -1.0, **exp.evaluate()}
-            _append(out / "metrics.jsonl", before)
+            append_metrics(out / "metrics.jsonl", before)
             if on_iteration:
                 on_iteration(before)
     history = []
     for it in range(exp.iteration, cfg.training.iterations):
         metrics = exp.run_iteration(it)
         exp.save(ckpt_dir / f"iter_{it:05d}", metrics)
-        _append(out / "metrics.jsonl", metrics)
+        append_metrics(out / "metrics.jsonl", metrics)
         history.append(metrics)
         if on_iteration:
             on_iteration(metrics)
     return history
 
 
-def _append(path: Path, metrics: dict[str, float]) -> None:
+def append_metrics(path: Path, metrics: dict[str, float]) -> None:
+    """One JSON line per iteration (keys sorted) in `metrics.jsonl`."""
     with open(path, "a") as f:
         f.write(json.dumps(metrics, sort_keys=True) + "\n")

@@ -1,0 +1,203 @@
+"""Pure placement: which devices a step gets, given what is already leased. No I/O, no clocks.
+
+A step declares its needs in op tags (strings, as Dagster stores them)::
+
+    tinker/devices    how many devices (default 1)
+    tinker/memory_gb  GB per device: what a 'lora' step reserves on each of its devices, or the
+                      smallest device an 'exclusive' step accepts (default 0: any)
+    tinker/sharing    'lora': may share a device with other 'lora' steps up to its memory;
+                      'exclusive': whole devices, nobody else on them (default, the safe choice)
+
+Rules: memory is never over-subscribed and an exclusive holder never shares a device. LoRA
+steps are packed best-fit (the already-shared device with the least free memory that still
+fits) so that whole devices stay free for exclusive steps. `check_fits` tells a request that
+can never be placed on this inventory from one that must wait, so the first fails at once.
+Younger requests may overtake a waiting one (backfilling); once the oldest has waited longer
+than a threshold (`starving`), `reserve` names devices that younger ones must leave alone.
+
+Pass op tags only: run tags carry other `tinker/...` keys (tinker/experiment, tinker/model) and
+an unknown key under the prefix is an error here, so that a typo like `tinker/gpus` is caught.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from tinker_pipelines.scheduler.inventory import Inventory
+
+TAG_PREFIX = "tinker/"
+SHARING = ("lora", "exclusive")
+# Declared sizes like 0.1 + 0.2 do not sum exactly; a nanobyte of slack is not over-subscription.
+EPS_GB = 1e-9
+
+
+@dataclass(frozen=True)
+class StepNeeds:
+    """What one step asks of the devices."""
+
+    devices: int = 1
+    """How many distinct devices the step needs at once."""
+    memory_gb: float = 0.0
+    """Per device: reserved memory for 'lora'; the smallest acceptable device for 'exclusive'."""
+    sharing: str = "exclusive"
+    """'lora' (may share devices with other lora steps) or 'exclusive' (whole devices)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
+            raise ValueError(f"StepNeeds.devices must be a positive integer, got {self.devices!r}")
+        if not (isinstance(self.memory_gb, (int, float)) and math.isfinite(self.memory_gb) and self.memory_gb >= 0):
+            raise ValueError(f"StepNeeds.memory_gb must be a non-negative number, got {self.memory_gb!r}")
+        if self.sharing not in SHARING:
+            raise ValueError(f"StepNeeds.sharing must be one of {SHARING}, got {self.sharing!r}")
+        if self.sharing == "lora" and self.memory_gb <= 0:
+            # A sharing step that reserves nothing could be stacked without limit.
+            raise ValueError("a 'lora' step must declare its memory_gb (> 0) per device")
+
+    def __str__(self) -> str:
+        return f"{self.devices} x {self.memory_gb:g} GB {self.sharing}"
+
+
+class Holding(Protocol):
+    """Anything that holds devices: a ledger lease, a simulated running job."""
+
+    @property
+    def devices(self) -> tuple[int, ...]: ...
+
+    @property
+    def needs(self) -> StepNeeds: ...
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """A plain holding, for simulations and tests."""
+
+    devices: tuple[int, ...]
+    """The granted device indices."""
+    needs: StepNeeds
+    """What was asked for."""
+
+
+@dataclass(frozen=True)
+class DeviceUse:
+    """How one device is held right now."""
+
+    reserved_gb: float
+    """Sum of the memory reserved by 'lora' holders."""
+    tenants: int
+    """How many holdings include this device."""
+    exclusive: int
+    """How many of them are 'exclusive' (more than 0 means nobody else may join)."""
+
+
+def needs_from_tags(tags: Mapping[str, str], prefix: str = TAG_PREFIX) -> StepNeeds | None:
+    """The step's needs from its op tags, or None when no tag under `prefix` is set (the step
+    needs no device). Unknown keys under the prefix and malformed values raise ValueError."""
+    known = {prefix + "devices", prefix + "memory_gb", prefix + "sharing"}
+    ours = {k: v for k, v in tags.items() if k.startswith(prefix)}
+    if not ours:
+        return None
+    for key in sorted(ours):
+        if key not in known:
+            raise ValueError(f"unknown scheduler tag {key!r} (known: {', '.join(sorted(known))})")
+    devices, memory, sharing = 1, 0.0, "exclusive"
+    if prefix + "devices" in ours:
+        raw = ours[prefix + "devices"]
+        try:
+            devices = int(str(raw).strip())
+        except ValueError:
+            devices = 0
+        if devices < 1:
+            raise ValueError(f"tag {prefix}devices must be a positive integer, got {raw!r}")
+    if prefix + "memory_gb" in ours:
+        raw = ours[prefix + "memory_gb"]
+        try:
+            memory = float(str(raw).strip())
+        except ValueError:
+            memory = math.nan
+        if not math.isfinite(memory) or memory < 0:
+            raise ValueError(f"tag {prefix}memory_gb must be a non-negative number, got {raw!r}")
+    if prefix + "sharing" in ours:
+        sharing = str(ours[prefix + "sharing"]).strip().lower()
+        if sharing not in SHARING:
+            raise ValueError(f"tag {prefix}sharing must be one of {', '.join(SHARING)}, got {ours[prefix + 'sharing']!r}")
+    if sharing == "lora" and memory <= 0:
+        raise ValueError(f"tag {prefix}memory_gb (> 0) is required when {prefix}sharing is 'lora'")
+    return StepNeeds(devices, memory, sharing)
+
+
+def device_use(inventory: Inventory, leases: Iterable[Holding]) -> tuple[DeviceUse, ...]:
+    """Per-device reservations; a holding on a device outside the inventory is an error (the
+    holdings were made against a different inventory)."""
+    reserved = [0.0] * len(inventory)
+    tenants = [0] * len(inventory)
+    exclusive = [0] * len(inventory)
+    for lease in leases:
+        for i in lease.devices:
+            if not 0 <= i < len(inventory):
+                raise ValueError(f"a lease holds device {i}, but the inventory has devices 0..{len(inventory) - 1}")
+            tenants[i] += 1
+            if lease.needs.sharing == "exclusive":
+                exclusive[i] += 1
+            else:
+                reserved[i] += lease.needs.memory_gb
+    return tuple(DeviceUse(r, t, x) for r, t, x in zip(reserved, tenants, exclusive))
+
+
+def check_fits(needs: StepNeeds, inventory: Inventory) -> None:
+    """Raise ValueError when `needs` could not be placed even on an idle inventory."""
+    n = len(inventory)
+    largest = max(d.memory_gb for d in inventory)
+    if needs.devices > n:
+        raise ValueError(f"step needs {needs}, but the inventory has only {n} device(s): it can never be placed")
+    big_enough = sum(1 for d in inventory if d.memory_gb >= needs.memory_gb - EPS_GB)
+    if big_enough == 0:
+        raise ValueError(f"step needs {needs}, but the largest device has {largest:g} GB: it can never be placed")
+    if big_enough < needs.devices:
+        raise ValueError(f"step needs {needs}, but only {big_enough} of the {n} devices have "
+                         f">= {needs.memory_gb:g} GB: it can never be placed")
+
+
+def place(needs: StepNeeds, inventory: Inventory, leases: Iterable[Holding],
+          exclude: Collection[int] = ()) -> tuple[int, ...] | None:
+    """The device indices to grant (sorted), or None when the step must wait for a release.
+    Devices in `exclude` (held back for a starving request, see `reserve`) are not used.
+
+    Does not tell "wait" from "never": call `check_fits` first.
+    """
+    use = device_use(inventory, leases)
+    usable = [d for d in inventory if d.index not in exclude and d.memory_gb >= needs.memory_gb - EPS_GB]
+    if needs.sharing == "exclusive":
+        # Smallest idle devices that are large enough: big ones stay for requests that need them.
+        candidates = [d for d in usable if use[d.index].tenants == 0]
+        candidates.sort(key=lambda d: (d.memory_gb, d.index))
+    else:
+        candidates = [d for d in usable if use[d.index].exclusive == 0
+                      and d.memory_gb - use[d.index].reserved_gb >= needs.memory_gb - EPS_GB]
+        # Best fit among devices already shared first, an idle device only when none fits.
+        candidates.sort(key=lambda d: (use[d.index].tenants == 0, d.memory_gb - use[d.index].reserved_gb, d.index))
+    if len(candidates) < needs.devices:
+        return None
+    return tuple(sorted(d.index for d in candidates[:needs.devices]))
+
+
+def starving(waiting_since: float, now: float, starve_after_s: float | None) -> bool:
+    """Whether the oldest waiting request has waited long enough to get a reservation (None: never)."""
+    return starve_after_s is not None and now - waiting_since > starve_after_s
+
+
+def reserve(needs: StepNeeds, inventory: Inventory, leases: Iterable[Holding]) -> tuple[int, ...]:
+    """The devices to hold back for a starving request: while it waits, younger requests are
+    placed with `exclude=` these, so they drain and it cannot be bypassed forever (the
+    reservation of EASY backfilling, without run-time estimates: the devices likeliest to
+    free up first stand in for "soonest"). Only the oldest waiting request gets one."""
+    use = device_use(inventory, leases)
+    usable = [d for d in inventory if d.memory_gb >= needs.memory_gb - EPS_GB]
+    if needs.sharing == "exclusive":
+        usable.sort(key=lambda d: (use[d.index].tenants, use[d.index].reserved_gb, d.memory_gb, d.index))
+    else:
+        usable.sort(key=lambda d: (use[d.index].exclusive, -(d.memory_gb - use[d.index].reserved_gb),
+                                   use[d.index].tenants, d.index))
+    return tuple(sorted(d.index for d in usable[:needs.devices]))

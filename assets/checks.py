@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 import dagster as dg
-import torch
 
-from tinker_pipelines.checkpoint import read_record
 from tinker_pipelines.train import Experiment
 
 REWARDS_FINITE = "rewards_finite"
@@ -35,50 +32,18 @@ def kl_within_bound(metrics: dict[str, float], bound: float) -> dg.AssetCheckRes
                                metadata={"kl": float(kl), "bound": bound})
 
 
-@torch.no_grad()
 def adapter_loads(exp: Experiment, path: Path) -> dg.AssetCheckResult:
-    """The written checkpoint loads and gives finite logits, checked without a second model:
-    its weight files match the recorded content hash, load with safetensors, and every tensor
-    equals the resident policy's bit for bit (so a policy loaded from them is the resident one,
-    whose logits on a probe prompt must be finite)."""
+    """The written checkpoint loads and gives finite logits, checked without a second model
+    (`Learner.verify_checkpoint`, on the worker when the experiment trains on one)."""
     try:
-        record = read_record(path, verify=True)
-        loaded, resident = _written_and_resident(exp, Path(path), record["mode"])
-        missing = sorted(set(resident) - set(loaded) - {"lm_head.weight"})  # a tied output layer is not saved
-        unexpected = sorted(set(loaded) - set(resident))
-        differ = sorted(k for k in set(loaded) & set(resident) if not torch.equal(loaded[k], resident[k].cpu()))
-        ids = torch.tensor([exp.tokenizer.encode("What is 2 + 3?")[:32] or [0]])
-        finite = bool(torch.isfinite(exp.policy(input_ids=ids).logits).all())
-        passed = finite and not (missing or unexpected or differ)
+        v = exp.learner.verify_checkpoint(Path(path), exp.tokenizer.encode("What is 2 + 3?"))
+        passed = v["finite_logits"] and not (v["missing"] or v["unexpected"] or v["differing"])
         return dg.AssetCheckResult(check_name=ADAPTER_LOADS, passed=passed, metadata={
-            "finite_logits": finite, "tensors_loaded": len(loaded), "tensors_differing_from_resident": len(differ),
-            "missing": ", ".join(missing[:5]) or "none", "unexpected": ", ".join(unexpected[:5]) or "none"})
+            "finite_logits": v["finite_logits"], "tensors_loaded": v["tensors_loaded"],
+            "tensors_differing_from_resident": len(v["differing"]),
+            "missing": ", ".join(v["missing"][:5]) or "none", "unexpected": ", ".join(v["unexpected"][:5]) or "none"})
     except Exception as e:  # the check reports, the asset stays materialized
         return dg.AssetCheckResult(check_name=ADAPTER_LOADS, passed=False, metadata={"error": repr(e)[:500]})
-
-
-def _written_and_resident(exp: Experiment, path: Path, mode: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The checkpoint's tensors as loaded from disk, and the resident tensors they must equal."""
-    from safetensors.torch import load_file
-
-    from tinker_pipelines.learner import VALUE_HEAD_FILE
-
-    learner = exp.learner
-    loaded: dict[str, Any] = {}
-    if mode == "lora":
-        from peft import get_peft_model_state_dict
-
-        loaded.update(load_file(str(path / "adapter_model.safetensors")))
-        resident = dict(get_peft_model_state_dict(learner.model, adapter_name=learner.adapter_name))
-    else:
-        for f in sorted(path.glob("model*.safetensors")):
-            loaded.update(load_file(str(f)))
-        resident = dict(learner.model.state_dict())
-    if learner.value_head is not None or (path / VALUE_HEAD_FILE).exists():
-        loaded.update({f"value_head.{k}": v for k, v in load_file(str(path / VALUE_HEAD_FILE)).items()})
-        if learner.value_head is not None:
-            resident.update({f"value_head.{k}": v for k, v in learner.value_head.state_dict().items()})
-    return loaded, resident
 
 
 def not_worse_than_champion(score: float, champion_score: float | None, champion_version: str | None,

@@ -46,9 +46,7 @@ def _experiment(cfg: Config, store, name: str) -> Experiment:
         if not store.exists(key):
             raise dg.Failure(f"sft.steps is {cfg.sft.steps}: materialize sft_checkpoint (the `sft` job) for "
                              f"experiment {name!r} first")
-        from transformers import AutoModelForCausalLM
-
-        exp.base_model = AutoModelForCausalLM.from_pretrained(str(store.local_dir(key))).eval()
+        exp.use_base(store.local_dir(key))
     return exp
 
 

@@ -41,11 +41,8 @@ def evaluate_adapter(context: dg.OpExecutionContext, config: EvaluateConfig, mlf
         cfg = config_from_dict(read_record(path)["config"])
         exp = Experiment(cfg)
         if cfg.sft.steps:
-            from transformers import AutoModelForCausalLM
-
             store = artifact_store.store()
-            exp.base_model = AutoModelForCausalLM.from_pretrained(
-                str(store.local_dir(f"{mv.tags['tinker.experiment']}/sft"))).eval()
+            exp.use_base(store.local_dir(f"{mv.tags['tinker.experiment']}/sft"))
         exp.start_rl()
         exp.resume(path)
     metrics = exp.evaluate(config.num_tasks or None)

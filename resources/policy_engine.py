@@ -79,9 +79,7 @@ class PolicyEngine(dg.ConfigurableResource):
             raise RuntimeError(f"sft.steps is {cfg.sft.steps}: materialize sft_checkpoint (the `sft` job) first")
         exp = Experiment(cfg)
         if base is not None:  # as train() does on resume: the warm-started weights replace the base
-            from transformers import AutoModelForCausalLM
-
-            exp.base_model = AutoModelForCausalLM.from_pretrained(str(base)).eval()
+            exp.use_base(base)
         exp.start_rl()
         if at > 0:
             path = checkpoint(at - 1)

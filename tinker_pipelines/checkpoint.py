@@ -78,11 +78,14 @@ def read_record(path: str | Path, verify: bool = True) -> dict[str, Any]:
 
 
 def rng_state() -> dict[str, Any]:
-    """The process's RNG states (python, numpy, torch)."""
+    """The process's RNG states (python, numpy, torch, and every CUDA device's when there are any)."""
     np_state = np.random.get_state()
-    return {"python": list(random.getstate()[1]), "python_version": random.getstate()[0],
-            "python_gauss": random.getstate()[2], "numpy_keys": torch.from_numpy(np_state[1].copy()),
-            "numpy_pos": int(np_state[2]), "torch": torch.get_rng_state()}
+    state = {"python": list(random.getstate()[1]), "python_version": random.getstate()[0],
+             "python_gauss": random.getstate()[2], "numpy_keys": torch.from_numpy(np_state[1].copy()),
+             "numpy_pos": int(np_state[2]), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -90,6 +93,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
     np.random.set_state(("MT19937", state["numpy_keys"].numpy(), state["numpy_pos"], 0, 0.0))
     torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def seed_everything(seed: int) -> None:

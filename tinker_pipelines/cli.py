@@ -1,9 +1,11 @@
-"""`tinker-pipelines train CONFIG.yaml`: SFT warm start then RL, in a plain Python loop."""
+"""`tinker-pipelines train CONFIG.yaml`: SFT warm start then RL, in a plain Python loop;
+`tinker-pipelines worker --model NAME`: a resident device worker hosting many experiments' adapters."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from tinker_pipelines.config import ConfigError, load_config
 
@@ -32,6 +34,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         cfg = replace(cfg, output_dir=args.output_dir)
     from tinker_pipelines.train import train
+    from tinker_pipelines.worker import WorkerError
 
     sft_bar = tqdm(total=cfg.sft.steps, desc="sft", unit="step", disable=not cfg.sft.steps, file=sys.stderr)
     rl_bar = tqdm(total=cfg.training.iterations, desc="rl", unit="it", file=sys.stderr)
@@ -45,10 +48,67 @@ def cmd_train(args: argparse.Namespace) -> int:
             rl_bar.update(1)
         tqdm.write(_fmt(m), file=sys.stdout)
 
-    train(cfg, on_iteration=on_iter, on_sft_step=on_sft, resume=args.resume)
+    try:
+        train(cfg, on_iteration=on_iter, on_sft_step=on_sft, resume=args.resume, worker=args.worker or None)
+    except WorkerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     sft_bar.close()
     rl_bar.close()
     print(f"done: checkpoints and metrics.jsonl in {cfg.output_dir}")
+    return 0
+
+
+def default_socket(model: str, device: str) -> Path:
+    """Where a worker for `model` on `device` listens unless told: under the project's `.tinker/`."""
+    import hashlib
+
+    slug = hashlib.sha256(f"{model}|{device}".encode()).hexdigest()[:12]
+    return Path(".tinker") / "workers" / f"{slug}.sock"
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import importlib
+    import json
+
+    try:
+        kwargs = json.loads(args.model_kwargs) if args.model_kwargs else {}
+        if not isinstance(kwargs, dict):
+            raise ValueError("--model-kwargs must be a JSON object")
+        from tinker_pipelines.models import base_identity, check_model_name, resolve_device, resolve_dtype
+
+        check_model_name(args.model)
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+        socket = Path(args.socket or default_socket(base_identity(args.model, kwargs, args.seed), str(device)))
+        if len(str(socket.resolve())) > 100:
+            raise ValueError(f"--socket {socket.resolve()} is too long for a Unix socket (100 characters at most)")
+        for name in args.imports:
+            importlib.import_module(name)
+        for name, v in (("--max-rows", args.max_rows), ("--max-lora-rank", args.max_lora_rank)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+    except (ValueError, ImportError, json.JSONDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    from tinker_pipelines.models import load_model, stop_token_ids
+    from tinker_pipelines.worker.engine import Engine, EngineConfig
+    from tinker_pipelines.worker.server import WorkerServer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model, seed=args.seed, dtype=dtype, device=device, **kwargs)
+    model.requires_grad_(False)
+    engine = Engine(model, tok.pad_token_id, stop_token_ids(tok), base_identity(args.model, kwargs, args.seed),
+                    EngineConfig(batching=not args.no_batching, max_rows=args.max_rows,
+                                 max_lora_rank=args.max_lora_rank, exclusive=args.exclusive))
+    try:
+        WorkerServer(engine, socket.resolve(), window_s=args.window_ms / 1000).serve_forever()
+    except OSError as e:
+        print(f"error: cannot listen on {socket}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -59,7 +119,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", help="path to the YAML config")
     p.add_argument("--output-dir", help="override output_dir")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    p.add_argument("--worker", help="train on the resident worker listening at this socket (LoRA)")
     p.set_defaults(func=cmd_train)
+    w = sub.add_parser("worker", help="a resident worker: one base model on one device, many experiments' adapters")
+    w.add_argument("--model", default="tiny", help="catalog name or model directory (the base every adapter shares)")
+    w.add_argument("--model-kwargs", default="", help="JSON builder arguments (for tiny: hidden_size, num_layers)")
+    w.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights")
+    w.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    w.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    w.add_argument("--socket", default="", help="Unix socket path (default under .tinker/workers/)")
+    w.add_argument("--no-batching", action="store_true",
+                   help="serve one request at a time, exactly as in-process (no cross-experiment batches)")
+    w.add_argument("--window-ms", type=float, default=20.0, help="how long a batch waits for other clients")
+    w.add_argument("--max-rows", type=int, default=256, help="most sequences in one batch")
+    w.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank an experiment may use")
+    w.add_argument("--exclusive", action="store_true", help="host one experiment, which may train every parameter")
+    w.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    w.add_argument("--import", dest="imports", action="append", default=[],
+                   help="import this module first (custom algorithms registered there); repeatable")
+    w.set_defaults(func=cmd_worker)
     args = parser.parse_args(argv)
     return args.func(args)
 

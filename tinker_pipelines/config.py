@@ -31,6 +31,13 @@ class ModelConfig:
     """'tiny', 'smollm2-135m-instruct' or a local Hugging Face model directory."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra arguments for the builder (for 'tiny': hidden_size, num_layers)."""
+    device: str = "auto"
+    """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
+    dtype: str = "auto"
+    """'auto' (bf16 on GPUs that support it, fp32 on CPU), 'float32', 'bfloat16' or 'float16'."""
+    seed: int | None = None
+    """Seed of the in-process 'tiny' model's weights (None: the experiment's seed); experiments
+    that share a resident worker's base set the same value."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,18 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True)
+class DeepSpeedConfig:
+    """Full-parameter training through DeepSpeed ZeRO, data parallel over `torchrun` ranks."""
+
+    stage: int = 0
+    """0: off (the plain learner); 2: ZeRO-2 (gradients and Adam states partitioned); 3: ZeRO-3 (parameters too)."""
+    offload_optimizer: bool = False
+    """Keep the Adam states and their update in CPU memory (ZeRO-Offload)."""
+    zero_overrides: dict[str, Any] = field(default_factory=dict)
+    """Extra keys of DeepSpeed's `zero_optimization` section, e.g. {reduce_bucket_size: 5.0e+7}."""
+
+
+@dataclass(frozen=True)
 class TrainingConfig:
     """The RL loop."""
 
@@ -106,6 +125,8 @@ class TrainingConfig:
     """Sequences per forward pass."""
     share_prefix: bool = True
     """Run a group's shared prompt once in the training forward (same numbers, less compute)."""
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    """ZeRO stage 2 or 3 for full-parameter training under torchrun (stage 0: off)."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +207,14 @@ class Config:
                      "micro_batch_size"):
             _require(getattr(t, name) >= 1, f"training.{name}", "must be >= 1", getattr(t, name))
         _require(t.temperature > 0, "training.temperature", "must be positive", t.temperature)
+        ds = t.deepspeed
+        _require(ds.stage in (0, 2, 3), "training.deepspeed.stage", "must be 0, 2 or 3", ds.stage)
+        _require(ds.stage == 0 or t.mode == "full", "training.mode",
+                 f"must be 'full' with training.deepspeed.stage {ds.stage} (ZeRO trains every parameter)", t.mode)
+        _require(ds.stage > 0 or not ds.offload_optimizer, "training.deepspeed.offload_optimizer",
+                 "needs training.deepspeed.stage 2 or 3", ds.offload_optimizer)
+        _require("stage" not in ds.zero_overrides, "training.deepspeed.zero_overrides",
+                 "must not set stage (use training.deepspeed.stage)", ds.zero_overrides)
         _require(self.sft.steps >= 0, "sft.steps", "must be >= 0", self.sft.steps)
         _require(self.eval.every >= 1, "eval.every", "must be >= 1", self.eval.every)
         _require(self.eval.num_tasks >= 1, "eval.num_tasks", "must be >= 1", self.eval.num_tasks)
@@ -203,6 +232,12 @@ class Config:
             _require(v >= 0 and math.isfinite(v), f"algorithm.{name}", "must be >= 0", v)
         self.dpo.validate()
         check_model_name(self.model.name)
+        from tinker_pipelines.models import resolve_device, resolve_dtype
+
+        try:
+            resolve_dtype(self.model.dtype, resolve_device(self.model.device))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.env.spec().resolve()
         return self
 
@@ -231,6 +266,11 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 
 
 def _coerce(value: Any, hint: Any, name: str) -> Any:
+    args = typing.get_args(hint)
+    if type(None) in args:  # `X | None`
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
     origin = typing.get_origin(hint) or hint
     if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)

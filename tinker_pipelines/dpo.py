@@ -47,7 +47,7 @@ def pair_metrics(learner: Learner, pairs: list[PreferencePair], beta: float) -> 
     mb = learner.cfg.micro_batch_size  # even: `Experiment.start_rl` keeps pairs whole
     for start in range(0, len(datums), mb):
         chunk = datums[start:start + mb]
-        padded = pad_datums(chunk, learner.pad_token_id)
+        padded = pad_datums(chunk, learner.pad_token_id, learner.device)
         ref_BT = learner.reference_logprobs(padded)
         learner.activate()
         # The same forward as a training step's, so an untrained policy's margins are exactly 0.

@@ -11,11 +11,12 @@ full-parameter training keeps a frozen copy only when a KL penalty needs one.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
@@ -24,7 +25,8 @@ from transformers import PreTrainedModel
 
 from tinker_pipelines import checkpoint as ckpt
 from tinker_pipelines.algorithms.losses import LossBatch, LossConfig, LossFn
-from tinker_pipelines.prefix_sharing import plan_prefix_sharing, shared_prefix_forward, supports_prefix_sharing
+from tinker_pipelines.prefix_sharing import (PrefixPlan, plan_prefix_sharing, shared_prefix_forward,
+                                             supports_prefix_sharing)
 from tinker_pipelines.types import Datum
 
 
@@ -79,6 +81,18 @@ class LearnerConfig:
 VALUE_HEAD_FILE = "value_head.safetensors"
 
 
+@contextlib.contextmanager
+def _seeded(seed: int | None, device: torch.device):
+    """Run the block from the global RNG seeded with `seed`, restoring it afterwards (no-op for None)."""
+    if seed is None:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
 class ValueHead(torch.nn.Module):
     """One scalar per position from the policy's final hidden state. Starts at zero, so the first
     values are 0 whatever the seed and the critic learns from the returns it sees."""
@@ -101,8 +115,9 @@ class _Padded:
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def pad_datums(datums: list[Datum], pad_token_id: int) -> _Padded:
-    """Right-pad datums into [B, T] tensors; padding has weight 0."""
+def pad_datums(datums: list[Datum], pad_token_id: int, device: torch.device | str = "cpu") -> _Padded:
+    """Right-pad datums into [B, T] tensors on `device`; padding has weight 0. Built on the host
+    and moved in one copy per tensor (per-datum copies to a GPU would cost a launch each)."""
     B, T = len(datums), max(len(d.input_tokens) for d in datums)
     inputs = torch.full((B, T), pad_token_id, dtype=torch.long)
     targets = torch.zeros((B, T), dtype=torch.long)
@@ -116,6 +131,9 @@ def pad_datums(datums: list[Datum], pad_token_id: int) -> _Padded:
         for k in fields:
             if getattr(d, k, ()):
                 fields[k][i, :n] = torch.tensor(getattr(d, k))
+    if torch.device(device).type != "cpu":
+        inputs, targets, mask = inputs.to(device), targets.to(device), mask.to(device)
+        fields = {k: v.to(device) for k, v in fields.items()}
     return _Padded(inputs, targets, mask, fields)
 
 
@@ -123,12 +141,32 @@ class Learner:
     """Trains one policy; `model` is what the sampler should use (the adapter applied)."""
 
     def __init__(self, base_model: PreTrainedModel, cfg: LearnerConfig, pad_token_id: int,
-                 base_name: str = "", adapter_path: str | Path | None = None, adapter_name: str = "default"):
+                 base_name: str = "", adapter_path: str | Path | None = None, adapter_name: str = "default",
+                 init_seed: int | None = None):
         """`base_model` may already be a `PeftModel`: the learner then adds its own adapter
-        `adapter_name` to it, so several policies (e.g. two agents) share one resident base."""
+        `adapter_name` to it, so several policies (e.g. two agents) share one resident base.
+        With `init_seed`, a new adapter is initialised from that seed alone (not from the global
+        RNG), so it is the same whichever adapters were created before it in this process."""
         self.cfg, self.pad_token_id, self.base_name = cfg, pad_token_id, base_name
         self.adapter_name = adapter_name
         self.reference: PreTrainedModel | None = None
+        self.device = next(base_model.parameters()).device
+        with _seeded(init_seed, self.device):
+            self._build(base_model, cfg, adapter_path, adapter_name)
+        self.model.eval()  # no dropout: sampling and training see the same function
+        self.value_head: ValueHead | None = None
+        groups = [{"params": list(self.params)}]
+        if cfg.value_head:
+            self.value_head = ValueHead(self.model.config.hidden_size).to(self.device)
+            head = list(self.value_head.parameters())
+            self.params += head
+            groups.append({"params": head, "lr": cfg.value_learning_rate or cfg.learning_rate})
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.betas,
+                                           weight_decay=cfg.weight_decay)
+        self.steps = 0
+
+    def _build(self, base_model: PreTrainedModel, cfg: LearnerConfig, adapter_path: str | Path | None,
+               adapter_name: str) -> None:
         if cfg.mode == "lora":
             lora = None
             if adapter_path is None:
@@ -160,18 +198,6 @@ class Learner:
             if cfg.needs_reference:
                 self.reference = copy.deepcopy(base_model).eval().requires_grad_(False)
             self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.model.eval()  # no dropout: sampling and training see the same function
-        self.value_head: ValueHead | None = None
-        groups = [{"params": list(self.params)}]
-        if cfg.value_head:
-            device = next(self.model.parameters()).device
-            self.value_head = ValueHead(self.model.config.hidden_size).to(device)
-            head = list(self.value_head.parameters())
-            self.params += head
-            groups.append({"params": head, "lr": cfg.value_learning_rate or cfg.learning_rate})
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.betas,
-                                           weight_decay=cfg.weight_decay)
-        self.steps = 0
 
     def activate(self) -> None:
         """Make this learner's adapter the one the shared model applies (LoRA only)."""
@@ -183,31 +209,37 @@ class Learner:
         return self._forward(model, padded, only_weighted)[0]
 
     def _forward(self, model: torch.nn.Module, padded: _Padded, only_weighted: bool = True,
-                 values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 values: bool = False, *, temperature: float | torch.Tensor | None = None,
+                 head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 plan: PrefixPlan | None | str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs of the targets and, with `values`, the value head's values, both [B, T]. With
         `only_weighted`, the output layer and the value head run only from the first weighted
         position on (prompts carry no loss; at a 49k vocabulary the output layer and its softmax
         are a large share of the step); earlier positions read 0. With `cfg.share_prefix`, a prompt
         shared by consecutive datums runs once per run of them (`prefix_sharing`, the same function);
-        its positions read 0 as well."""
+        its positions read 0 as well. A batch of several experiments' rows (`worker.batching`)
+        passes a per-row `temperature` [B, 1, 1], its own `head` and the prefix `plan` it made."""
         B, T = padded.inputs_BT.shape
+        temperature = self.cfg.temperature if temperature is None else temperature
+        head = (self.value_head if values else None) if head is None else head
         if only_weighted and self.cfg.share_prefix and supports_prefix_sharing(model):
-            plan = plan_prefix_sharing(padded.inputs_BT, padded.mask_BT, padded.fields["weights"])
+            if isinstance(plan, str):
+                plan = plan_prefix_sharing(padded.inputs_BT, padded.mask_BT, padded.fields["weights"])
             if plan is not None:
                 return shared_prefix_forward(model, plan, padded.inputs_BT, padded.targets_BT, padded.fields["weights"],
-                                             self.cfg.temperature, self.value_head if values else None)
+                                             temperature, head)
         start = 0
         if only_weighted:
             weighted_B = padded.fields["weights"].ne(0).float().argmax(dim=1)
             start = int(weighted_B.min()) if padded.fields["weights"].any() else 0
         out = model(input_ids=padded.inputs_BT, attention_mask=padded.mask_BT, logits_to_keep=T - start,
-                    output_hidden_states=values)
-        logprobs_BKV = torch.log_softmax(out.logits.float() / self.cfg.temperature, dim=-1)
+                    output_hidden_states=head is not None)
+        logprobs_BKV = torch.log_softmax(out.logits.float() / temperature, dim=-1)
         lp_BK = logprobs_BKV.gather(-1, padded.targets_BT[:, start:, None]).squeeze(-1)
-        v_BK = self.value_head(out.hidden_states[-1][:, start:]) if values else None
+        v_BK = head(out.hidden_states[-1][:, start:]) if head is not None else None
         if start:
             lp_BK = torch.nn.functional.pad(lp_BK, (start, 0))
-            v_BK = torch.nn.functional.pad(v_BK, (start, 0)) if values else None
+            v_BK = torch.nn.functional.pad(v_BK, (start, 0)) if v_BK is not None else None
         return lp_BK, v_BK
 
     @torch.no_grad()
@@ -225,7 +257,7 @@ class Learner:
     def compute_logprobs(self, datums: list[Datum]) -> list[list[float]]:
         """Current policy's logprob of every target token, per datum."""
         self.activate()
-        padded = pad_datums(datums, self.pad_token_id)
+        padded = pad_datums(datums, self.pad_token_id, self.device)
         lp_BT = self._logprobs(self.model, padded, only_weighted=False)
         return [lp_BT[i, : len(d.input_tokens)].tolist() for i, d in enumerate(datums)]
 
@@ -240,7 +272,7 @@ class Learner:
         mb = self.cfg.micro_batch_size
         for start in range(0, len(datums), mb):
             chunk = datums[start:start + mb]
-            _, v_BT = self._forward(self.model, pad_datums(chunk, self.pad_token_id), values=True)
+            _, v_BT = self._forward(self.model, pad_datums(chunk, self.pad_token_id, self.device), values=True)
             out += [v_BT[i, : len(d.input_tokens)].tolist() for i, d in enumerate(chunk)]
         return out
 
@@ -255,7 +287,7 @@ class Learner:
         mb = self.cfg.micro_batch_size
         for start in range(0, len(datums), mb):
             chunk = datums[start:start + mb]
-            padded = pad_datums(chunk, self.pad_token_id)
+            padded = pad_datums(chunk, self.pad_token_id, self.device)
             weights_BT = padded.fields["weights"]
             ref_BT = self.reference_logprobs(padded) if self.cfg.needs_reference else None
             lp_BT, values_BT = self._forward(self.model, padded, values=self.value_head is not None)
@@ -308,6 +340,35 @@ class Learner:
             full = ckpt.write_record(tmp, full)
         return full
 
+    @torch.no_grad()
+    def verify_checkpoint(self, path: str | Path, probe_tokens: list[int]) -> dict[str, Any]:
+        """Check a checkpoint this learner wrote without loading a second model: its weight files
+        match the recorded content hash, load with safetensors, and every tensor equals the
+        resident one bit for bit (so a policy loaded from them is this one), whose logits on
+        `probe_tokens` must be finite. Raises when the record or the hash is wrong."""
+        path = Path(path)
+        record = ckpt.read_record(path, verify=True)
+        loaded: dict[str, torch.Tensor] = {}
+        if record["mode"] == "lora":
+            loaded.update(load_file(str(path / "adapter_model.safetensors")))
+            resident = dict(get_peft_model_state_dict(self.model, adapter_name=self.adapter_name))
+        else:
+            for f in sorted(path.glob("model*.safetensors")):
+                loaded.update(load_file(str(f)))
+            resident = dict(self.model.state_dict())
+        if self.value_head is not None or (path / VALUE_HEAD_FILE).exists():
+            loaded.update({f"value_head.{k}": v for k, v in load_file(str(path / VALUE_HEAD_FILE)).items()})
+            if self.value_head is not None:
+                resident.update({f"value_head.{k}": v for k, v in self.value_head.state_dict().items()})
+        missing = sorted(set(resident) - set(loaded) - {"lm_head.weight"})  # a tied output layer is not saved
+        unexpected = sorted(set(loaded) - set(resident))
+        differ = sorted(k for k in set(loaded) & set(resident) if not torch.equal(loaded[k], resident[k].cpu()))
+        self.activate()
+        ids = torch.tensor([probe_tokens[:32] or [0]], device=self.device)
+        finite = bool(torch.isfinite(self.model(input_ids=ids).logits).all())
+        return {"finite_logits": finite, "tensors_loaded": len(loaded), "differing": differ, "missing": missing,
+                "unexpected": unexpected}
+
     def load_state(self, path: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer and RNG states from `save_state`; returns the record."""
         path = Path(path)
@@ -317,20 +378,21 @@ class Learner:
         if self.value_head is not None:
             if not (path / VALUE_HEAD_FILE).exists():
                 raise ValueError(f"checkpoint {path} has no {VALUE_HEAD_FILE}, but this learner trains a value head")
-            self.value_head.load_state_dict(load_file(str(path / VALUE_HEAD_FILE)))
+            self.value_head.load_state_dict(load_file(str(path / VALUE_HEAD_FILE), device=str(self.device)))
         if self.cfg.mode == "lora":
             from peft import set_peft_model_state_dict
 
-            set_peft_model_state_dict(self.model, load_file(str(path / "adapter_model.safetensors")),
+            set_peft_model_state_dict(self.model, load_file(str(path / "adapter_model.safetensors"),
+                                                            device=str(self.device)),
                                       adapter_name=self.adapter_name)
         else:
             state = {}
             for f in sorted(path.glob("model*.safetensors")):
-                state.update(load_file(str(f)))
+                state.update(load_file(str(f), device=str(self.device)))
             missing, unexpected = self.model.load_state_dict(state, strict=False)
             if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
                 raise ValueError(f"checkpoint {path} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-        opt = torch.load(path / "optimizer.pt", weights_only=True)
+        opt = torch.load(path / "optimizer.pt", weights_only=True, map_location=self.device)
         self.optimizer.load_state_dict(opt["optimizer"])
         self.steps = opt["steps"]
         ckpt.set_rng_state(torch.load(path / "rng.pt", weights_only=True))

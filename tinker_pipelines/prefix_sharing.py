@@ -58,12 +58,14 @@ def supports_prefix_sharing(model: torch.nn.Module) -> bool:
 
 
 def plan_prefix_sharing(inputs_BT: torch.Tensor, mask_BT: torch.Tensor, weights_BT: torch.Tensor,
-                        min_shared: int = MIN_SHARED_TOKENS, max_cost: float = MAX_COST_SHARE) -> PrefixPlan | None:
+                        min_shared: int = MIN_SHARED_TOKENS, max_cost: float = MAX_COST_SHARE,
+                        breaks: frozenset[int] = frozenset()) -> PrefixPlan | None:
     """Group consecutive rows that share a token prefix; None when sharing would not pay.
 
     A row may share at most up to its first weighted position (that position's logit is needed).
     A row joins the current run when the run's shared length stays >= `min_shared` and the
-    run's saving (members beyond the first x shared length) does not drop by joining."""
+    run's saving (members beyond the first x shared length) does not drop by joining. A row in
+    `breaks` always starts a new run (rows of another experiment: its adapter makes other keys)."""
     B, T = inputs_BT.shape
     if B < 2:
         return None
@@ -76,7 +78,7 @@ def plan_prefix_sharing(inputs_BT: torch.Tensor, mask_BT: torch.Tensor, weights_
     prefix_lens: list[int] = []
     start, n, p = 0, 1, cap[0]
     for j in range(1, B + 1):
-        if j < B:
+        if j < B and j not in breaks:
             a, b = rows[start], rows[j]
             m = min(lengths[start], lengths[j], p, cap[j])
             lcp = next((k for k in range(m) if a[k] != b[k]), m)
@@ -90,7 +92,8 @@ def plan_prefix_sharing(inputs_BT: torch.Tensor, mask_BT: torch.Tensor, weights_
     P = len(prefix_lens)
     if P == B:
         return None
-    plan = PrefixPlan(torch.tensor(runs), torch.tensor(prefix_lens), lengths_B)
+    dev = inputs_BT.device
+    plan = PrefixPlan(torch.tensor(runs, device=dev), torch.tensor(prefix_lens, device=dev), lengths_B)
     cost = P * max(prefix_lens) + B * int(plan.cont_len_B.max())
     if cost >= max_cost * B * T:
         return None
@@ -100,11 +103,12 @@ def plan_prefix_sharing(inputs_BT: torch.Tensor, mask_BT: torch.Tensor, weights_
 def _additive_mask(plan: PrefixPlan, Lp: int, Lc: int, dtype: torch.dtype) -> torch.Tensor:
     """[B, 1, Lc, Lp + Lc]: a continuation token sees its run's prefix (not the prefix rows'
     padding) and its own earlier continuation tokens; continuation padding only follows valid tokens."""
-    prefix_ok_BK = torch.arange(Lp)[None, :] < plan.prefix_len_B[:, None]
-    causal_CC = torch.ones(Lc, Lc, dtype=torch.bool).tril()
+    device = plan.prefix_len_P.device
+    prefix_ok_BK = torch.arange(Lp, device=device)[None, :] < plan.prefix_len_B[:, None]
+    causal_CC = torch.ones(Lc, Lc, dtype=torch.bool, device=device).tril()
     allowed_BCK = torch.cat([prefix_ok_BK[:, None, :].expand(-1, Lc, -1),
                              causal_CC[None].expand(len(plan.run_B), -1, -1)], dim=2)
-    mask = torch.zeros(allowed_BCK.shape, dtype=dtype)
+    mask = torch.zeros(allowed_BCK.shape, dtype=dtype, device=device)
     return mask.masked_fill(~allowed_BCK, torch.finfo(dtype).min)[:, None]
 
 

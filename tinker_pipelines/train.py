@@ -13,7 +13,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -23,10 +23,13 @@ from tinker_pipelines.config import Config, ConfigError, config_to_dict
 from tinker_pipelines.checkpoint import seed_everything
 from tinker_pipelines.datums import critic_datums, rl_datums, sft_datum
 from tinker_pipelines.learner import Learner, LearnerConfig
-from tinker_pipelines.models import load_model, stop_token_ids
+from tinker_pipelines.models import base_identity, load_model, load_tokenizer, stop_token_ids
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes, run_groups
 from tinker_pipelines.rollout.sampler import Sampler
 from tinker_pipelines.types import Datum, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from tinker_pipelines.worker.client import RemoteSampler, WorkerClient
 
 EVAL_SEED_OFFSET = 10_000_000
 
@@ -61,15 +64,26 @@ def summarize_groups(groups: list[TrajectoryGroup]) -> dict[str, float]:
 class Experiment:
     """A loaded experiment: base model, learner (LoRA or full) and a sampler over the policy."""
 
-    def __init__(self, cfg: Config, model=None, tokenizer=None):
+    def __init__(self, cfg: Config, model=None, tokenizer=None, worker: "WorkerClient | str | None" = None,
+                 name: str | None = None, base: str | Path | None = None):
+        """With `worker` (a `WorkerClient` or its socket path) the policy lives on that resident
+        worker as adapter `name` and this process holds only the tokenizer; `base` is the
+        warm-started base directory the worker must serve (None: `model.name`)."""
         self.cfg = cfg.validate()
         self.algorithm = get_algorithm(cfg.algorithm.name)
         self.env_spec, self.eval_spec = cfg.env.spec(), cfg.env.spec(evaluation=True)
         if cfg.sft.steps and not hasattr(self.env_spec.resolve(), "sft_examples"):
             raise ConfigError(f"sft.steps is {cfg.sft.steps} but env {cfg.env.path!r} has no sft_examples()")
         seed_everything(cfg.seed)
-        if model is None:
-            model, tokenizer = load_model(cfg.model.name, seed=cfg.seed, **cfg.model.kwargs)
+        m = cfg.model
+        self.name = (name or Path(cfg.output_dir).name or "default").replace(".", "-")
+        self.worker = None
+        if worker is not None:
+            self.worker = self._connect(worker, base)
+            tokenizer = tokenizer or load_tokenizer(str(base) if base is not None else m.name)
+        elif model is None:
+            model, tokenizer = load_model(m.name, seed=cfg.seed if m.seed is None else m.seed, dtype=m.dtype,
+                                          device=m.device, **m.kwargs)
         self.base_model, self.tokenizer = model, tokenizer
         self.learner: Learner | None = None
         self.iteration = 0
@@ -80,9 +94,26 @@ class Experiment:
         self.rollout_cfg = RolloutConfig(cfg.training.max_new_tokens, cfg.training.temperature,
                                          cfg.training.max_turns)
 
+    def _connect(self, worker: "WorkerClient | str", base: str | Path | None) -> "WorkerClient":
+        from tinker_pipelines.worker.client import WorkerClient
+        from tinker_pipelines.worker import WorkerError
+
+        if self.algorithm.pairwise:
+            raise ConfigError(f"algorithm.name {self.cfg.algorithm.name!r} trains in-process, not on a worker")
+        client = WorkerClient(worker) if isinstance(worker, (str, Path)) else worker
+        m = self.cfg.model
+        expected = base_identity(str(base), {}, 0) if base is not None else base_identity(
+            m.name, m.kwargs, self.cfg.seed if m.seed is None else m.seed)
+        if client.info["base"] != expected:
+            raise WorkerError(f"worker {client.address} serves base {client.info['base']}, but experiment "
+                              f"{self.name!r} trains on {expected} (set model.seed / start a worker on that base)")
+        return client
+
     # -- stages -----------------------------------------------------------------------------
     def sft(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> list[dict[str, float]]:
         """Full-parameter supervised warm start of the base model on the env's examples."""
+        if self.worker is not None:
+            raise ConfigError("sft runs in-process (it trains every parameter); start the worker on its output")
         s = self.cfg.sft
         make = self.env_spec.resolve().sft_examples
         examples = make(s.examples, seed=self.cfg.seed, **{**self.cfg.env.kwargs, **s.kwargs})
@@ -109,6 +140,17 @@ class Experiment:
         self.base_model.save_pretrained(str(path))
         self.tokenizer.save_pretrained(str(path))
 
+    def use_base(self, path: str | Path) -> None:
+        """Replace the base model by a warm-started one (`save_base`'s directory), on the
+        configured device and dtype."""
+        from transformers import AutoModelForCausalLM
+
+        from tinker_pipelines.models import resolve_device, resolve_dtype
+
+        device = resolve_device(self.cfg.model.device)
+        dtype = resolve_dtype(self.cfg.model.dtype, device)
+        self.base_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+
     def start_rl(self, adapter_path: str | Path | None = None) -> Learner:
         """Build the RL learner over the (possibly warm-started) base model."""
         t = self.cfg.training
@@ -120,15 +162,39 @@ class Experiment:
                              needs_reference=self.cfg.algorithm.kl_coef > 0 or self.algorithm.needs_reference,
                              value_head=self.algorithm.value_head,
                              value_learning_rate=self.cfg.algorithm.value_learning_rate)
+        if self.worker is not None:
+            from tinker_pipelines.worker.client import RemoteLearner
+
+            if adapter_path is not None:
+                raise ConfigError("an adapter_path is loaded with resume() on a worker")
+            self.learner = RemoteLearner(self.worker, self.name, lcfg, seed=self.cfg.seed, base_name=self.cfg.model.name)
+            return self.learner
+        if t.deepspeed.stage > 0:  # ZeRO data parallel over torchrun's ranks; deepspeed is imported only here
+            from tinker_pipelines.deepspeed_learner import DeepSpeedLearner
+
+            if adapter_path is not None:
+                raise ConfigError("training.deepspeed trains every parameter: there is no adapter_path to load")
+            self.learner = DeepSpeedLearner(self.base_model, lcfg, self.tokenizer.pad_token_id,
+                                            base_name=self.cfg.model.name, stage=t.deepspeed.stage,
+                                            offload_optimizer=t.deepspeed.offload_optimizer,
+                                            zero_overrides=dict(t.deepspeed.zero_overrides))
+            return self.learner
         self.learner = Learner(self.base_model, lcfg, self.tokenizer.pad_token_id,
-                               base_name=self.cfg.model.name, adapter_path=adapter_path)
+                               base_name=self.cfg.model.name, adapter_path=adapter_path,
+                               init_seed=self.cfg.seed if adapter_path is None else None)
         return self.learner
 
     @property
     def policy(self) -> torch.nn.Module:
         return self.learner.model if self.learner is not None else self.base_model
 
-    def sampler(self) -> Sampler:
+    def sampler(self) -> "Sampler | RemoteSampler":
+        if self.worker is not None:
+            from tinker_pipelines.worker.client import RemoteSampler
+
+            if self.learner is None:
+                self.start_rl()
+            return RemoteSampler(self.worker, self.name)
         return Sampler(self.policy, self.tokenizer.pad_token_id, stop_token_ids(self.tokenizer))
 
     def rollout(self, iteration: int) -> RolloutStats:
@@ -215,8 +281,10 @@ def deterministic_metrics(metrics: dict[str, float]) -> dict[str, float]:
 
 def train(cfg: Config, on_iteration: Callable[[dict[str, float]], None] | None = None,
           on_sft_step: Callable[[int, dict[str, float]], None] | None = None,
-          resume: bool = False) -> list[dict[str, float]]:
-    """SFT warm start (if configured), then `training.iterations` RL iterations.
+          resume: bool = False, worker: "WorkerClient | str | None" = None) -> list[dict[str, float]]:
+    """SFT warm start (if configured), then `training.iterations` RL iterations; with `worker`,
+    the RL iterations train on that resident worker (its base must be `output_dir/sft` when
+    `sft.steps` > 0, so run the warm start first).
 
     Writes `metrics.jsonl`, `sft/` (the warm-started model) and `checkpoints/iter_XXXXX`
     under `output_dir`; with `resume`, continues from the latest checkpoint there.
@@ -227,31 +295,42 @@ def train(cfg: Config, on_iteration: Callable[[dict[str, float]], None] | None =
         return train_dpo(cfg, on_iteration, on_sft_step, resume)
     out = Path(cfg.output_dir)
     ckpt_dir = out / "checkpoints"
-    exp = Experiment(cfg)
-    latest = sorted(ckpt_dir.glob("iter_*")) if resume else []
-    if cfg.sft.steps and not latest:
-        exp.sft(on_sft_step)
-        exp.save_base(out / "sft")
-    elif cfg.sft.steps and latest:
-        from transformers import AutoModelForCausalLM
+    from tinker_pipelines.deepspeed_learner import is_main_process
 
-        exp.base_model = AutoModelForCausalLM.from_pretrained(out / "sft").eval()
+    writer = is_main_process()  # under torchrun (training.deepspeed) every rank runs this loop; rank 0 writes files
+    latest = sorted(ckpt_dir.glob("iter_*")) if resume else []
+    if worker is not None:
+        if cfg.sft.steps and not (out / "sft").is_dir():
+            raise ConfigError(f"sft.steps is {cfg.sft.steps}: run the warm start without --worker first "
+                              f"(it writes {out / 'sft'}), then serve that directory with `tinker-pipelines worker`")
+        exp = Experiment(cfg, worker=worker, base=(out / "sft").resolve() if cfg.sft.steps else None)
+    else:
+        exp = Experiment(cfg)
+    if exp.worker is None and cfg.sft.steps and not latest:
+        exp.sft(on_sft_step)
+        if writer:
+            exp.save_base(out / "sft")
+    elif exp.worker is None and cfg.sft.steps:
+        exp.use_base(out / "sft")
     exp.start_rl()
     if latest:
         exp.resume(latest[-1])
     else:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.jsonl").write_text("")
+        if writer:
+            (out / "metrics.jsonl").write_text("")
         if cfg.eval.every:
             before = {"iteration": -1.0, **exp.evaluate()}
-            append_metrics(out / "metrics.jsonl", before)
+            if writer:
+                append_metrics(out / "metrics.jsonl", before)
             if on_iteration:
                 on_iteration(before)
     history = []
     for it in range(exp.iteration, cfg.training.iterations):
         metrics = exp.run_iteration(it)
-        exp.save(ckpt_dir / f"iter_{it:05d}", metrics)
-        append_metrics(out / "metrics.jsonl", metrics)
+        exp.save(ckpt_dir / f"iter_{it:05d}", metrics)  # collective under DeepSpeed: rank 0 writes
+        if writer:
+            append_metrics(out / "metrics.jsonl", metrics)
         history.append(metrics)
         if on_iteration:
             on_iteration(metrics)

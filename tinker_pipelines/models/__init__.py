@@ -26,26 +26,107 @@ def check_model_name(name: str) -> None:
     )
 
 
-def load_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+DEVICE_CHOICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """`model.device`: 'auto' is the current CUDA device when there is one, else the CPU.
+
+    Raises `ValueError` naming the field for a malformed value or a CUDA device this machine
+    does not have (checked before any model loads)."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"model.device must be {DEVICE_CHOICES}, got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"model.device must be {DEVICE_CHOICES}, got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"model.device is {device!r} but this machine has no CUDA device (use 'auto' or 'cpu')")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"model.device is {device!r} but this machine has {torch.cuda.device_count()} CUDA devices")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device = "auto") -> torch.dtype:
+    """`model.dtype`: 'auto' is bf16 on GPUs that support it, else fp32 (bf16 matmuls are ~30x
+    slower than fp32 on AVX2 CPUs, so the CPU stays in fp32)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        dev = resolve_device(device)
+        return torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype must be 'auto' or one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model(name: str, seed: int = 0, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
                **kwargs: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load (model, tokenizer) by catalog name or directory; the model is in eval mode."""
+    """Load (model, tokenizer) by catalog name or directory onto `device` in `dtype` (both as
+    `resolve_device` / `resolve_dtype` take them); the model is in eval mode."""
     check_model_name(name)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
     if name == "tiny":
         from tinker_pipelines.models.tiny import build_tiny
 
-        return build_tiny(seed=seed, dtype=dtype, **kwargs)
-    if name == "smollm2-135m-instruct":
+        model, tokenizer = build_tiny(seed=seed, dtype=dt, **kwargs)
+    elif name == "smollm2-135m-instruct":
         from tinker_pipelines.models.smollm2 import load_smollm2
 
-        return load_smollm2(dtype=dtype)
+        model, tokenizer = load_smollm2(dtype=dt)
+    else:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoModelForCausalLM
+
+        tokenizer = load_tokenizer(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dt)
+    return model.to(dev).eval(), tokenizer
+
+
+def load_tokenizer(name: str, **kwargs: Any) -> PreTrainedTokenizerBase:
+    """The tokenizer alone (a thin client of a worker needs no weights)."""
+    check_model_name(name)
+    if name == "tiny":
+        from tinker_pipelines.models.tiny import build_tokenizer
+
+        return build_tokenizer()
+    if name == "smollm2-135m-instruct":
+        from tinker_pipelines.models.smollm2 import load_smollm2_tokenizer
+
+        return load_smollm2_tokenizer()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.eval(), tokenizer
+    return tokenizer
+
+
+def base_identity(name: str, kwargs: dict[str, Any] | None = None, seed: int = 0) -> str:
+    """What makes two bases the same weights: the catalog name with its builder arguments (and,
+    for the seeded `tiny`, the seed), or a model directory's absolute path."""
+    if name == "tiny":
+        args = {**(kwargs or {}), "seed": seed}
+        return "tiny(" + ",".join(f"{k}={args[k]}" for k in sorted(args)) + ")"
+    if name in CATALOG:
+        return name
+    return str(Path(name).resolve())
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's parameters."""
+    return next(model.parameters()).device
 
 
 def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict],

@@ -77,6 +77,18 @@ def _fix_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
         tokenizer.pad_token = tokenizer.eos_token
 
 
+def load_smollm2_tokenizer() -> PreTrainedTokenizerBase:
+    """SmolLM2's tokenizer from the GGUF, with the fixes `load_smollm2` documents."""
+    path = gguf_path()
+    _check_gguf_reader()
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    _fix_tokenizer(tokenizer)
+    return tokenizer
+
+
 def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load (model, tokenizer) from the GGUF, dequantized to `dtype`; the model is in eval mode.
 
@@ -84,12 +96,9 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, P
     (``<|im_end|>`` as in the original release); callers choose the padding side.
     """
     path = gguf_path()
-    _check_gguf_reader()
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    tokenizer = load_smollm2_tokenizer()
+    from transformers import AutoModelForCausalLM, GgufConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    _fix_tokenizer(tokenizer)
     # dequantize=True: a plain dense model (trainable, `save_pretrained`-able, castable), never
     # packed GGUF blocks, whether or not the `kernels` package is installed.
     model = AutoModelForCausalLM.from_pretrained(

@@ -42,7 +42,7 @@ def unwrap_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def linear_params(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def linear_params(module: torch.nn.Module, base_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(weight, bias) that `module` applies right now: a plain `nn.Linear`, or a PEFT LoRA
     `Linear` with its active vanilla adapters merged into a new weight. None when unsupported
     (DoRA and other variants, LoRA bias, dropout in training, ...)."""
@@ -53,6 +53,8 @@ def linear_params(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor |
         return None
     if getattr(module, "fan_in_fan_out", False):
         return None
+    if base_only:  # the frozen base alone; adapters are applied per row (`lora_factors`)
+        return None if getattr(module, "merged", False) else (base.weight, base.bias)
     if getattr(module, "merged", False):  # adapters already in the base weight
         return None if module.disable_adapters else (base.weight, base.bias)
     if module.disable_adapters:
@@ -70,9 +72,41 @@ def linear_params(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor |
     return weight, base.bias
 
 
-def _fuse(modules: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def lora_factors(modules: list[torch.nn.Module], name: str) -> tuple[torch.Tensor, torch.Tensor] | None | bool:
+    """Adapter `name`'s update of the fused linear `modules` as two matrices (A [R, in], B [out, R],
+    the scaling folded into B; B is block-diagonal over the modules), so that the fused output
+    gains `x @ A.T @ B.T`. None when no module has the adapter; False when it is not a vanilla
+    LoRA (DoRA or another variant, a LoRA bias, dropout), which only its own forward can run."""
+    As, Bs, outs = [], [], []
+    for m in modules:
+        out_features = m.out_features if hasattr(m, "out_features") else m.weight.shape[0]
+        outs.append(out_features)
+        if name not in getattr(m, "lora_A", {}):
+            Bs.append(None)
+            continue
+        if name in getattr(m, "lora_variant", {}) or getattr(m, "lora_bias", {}).get(name, False):
+            return False
+        dropout = m.lora_dropout[name]
+        if not (isinstance(dropout, torch.nn.Identity) or getattr(dropout, "p", 1) == 0):
+            return False
+        As.append(m.lora_A[name].weight)
+        Bs.append(m.lora_B[name].weight * m.scaling[name])
+    if not As:
+        return None
+    A = torch.cat(As)
+    B = A.new_zeros((sum(outs), A.shape[0]))
+    row = col = 0
+    for b, n_out in zip(Bs, outs):
+        if b is not None:
+            B[row:row + n_out, col:col + b.shape[1]] = b
+            col += b.shape[1]
+        row += n_out
+    return A, B
+
+
+def _fuse(modules: list[torch.nn.Module], base_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """One weight (and bias) computing the outputs of `modules` side by side, or None."""
-    params = [linear_params(m) for m in modules]
+    params = [linear_params(m, base_only) for m in modules]
     if any(p is None for p in params):
         return None
     if len(params) == 1:
@@ -107,10 +141,13 @@ class PromptStore:
         return None
 
 
-def weights_fingerprint(model: torch.nn.Module) -> tuple:
+def weights_fingerprint(model: torch.nn.Module, base_only: bool = False) -> tuple:
     """Changes whenever a parameter is updated in place (optimizer step, state-dict load) or
     replaced, or an adapter is switched, merged or disabled. Not seen: edits through `p.data`
-    (a separate version counter); call `Sampler.invalidate()` after those."""
+    (a separate version counter); call `Sampler.invalidate()` after those. With `base_only`,
+    only the base weights count (adapter deltas are read afresh on every call)."""
+    if base_only:
+        return tuple((p.data_ptr(), p._version) for n, p in model.named_parameters() if "lora_" not in n)
     params = tuple((p.data_ptr(), p._version) for p in model.parameters())
     adapters = tuple((getattr(m, "disable_adapters", None), tuple(getattr(m, "active_adapters", ())),
                       getattr(m, "merged", None))
@@ -132,7 +169,13 @@ class LeanLlamaDecoder:
                 and not getattr(causal.model, "gradient_checkpointing", False) and not causal.training
                 and all(not layer.training for layer in causal.model.layers))
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, base_only: bool = False):
+        """`base_only`: the fused weights are the frozen base alone and LoRA adapters are added
+        per row (`set_adapters`), so rows of different adapters share each base matmul."""
+        self.base_only = base_only
+        self.lora: list[list[list]] | None = None
+        self.row_adapter: list[int] = []
+        self.segments: list[tuple[int, int, int]] = []
         self.causal = unwrap_causal_lm(model)
         inner = self.causal.model
         cfg = self.causal.config
@@ -153,14 +196,17 @@ class LeanLlamaDecoder:
 
     def _fuse_weights(self) -> list[tuple] | None:
         fused = []
+        if self.base_only and (type(self.embed) is not torch.nn.Embedding or hasattr(self.lm_head, "lora_A")):
+            return None  # an adapter on the embedding or the output layer cannot run per row here
+        self.groups = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms_ok = all(type(n).__name__ == "LlamaRMSNorm"
                            for n in (layer.input_layernorm, layer.post_attention_layernorm))
-            qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            o = _fuse([attn.o_proj])
-            gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
-            down = _fuse([mlp.down_proj])
+            groups = ([attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj],
+                      [mlp.down_proj])
+            self.groups.append(groups)
+            qkv, o, gate_up, down = (_fuse(g, self.base_only) for g in groups)
             if not norms_ok or None in (qkv, o, gate_up, down):
                 return None
             q_out, kv_out = attn.q_proj.out_features, attn.k_proj.out_features
@@ -168,7 +214,7 @@ class LeanLlamaDecoder:
                           qkv, (q_out, kv_out, kv_out), o,
                           layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
                           gate_up, mlp.gate_proj.out_features, mlp.act_fn, down))
-        head = _fuse([self.lm_head])
+        head = _fuse([self.lm_head], self.base_only)
         if head is None or type(self.norm).__name__ != "LlamaRMSNorm":
             return None
         self.head = head
@@ -208,7 +254,8 @@ class LeanLlamaDecoder:
 
     @torch.inference_mode()
     def prefill_reusing(self, input_BL: torch.Tensor, mask_BL: torch.Tensor, positions_BL: torch.Tensor,
-                        max_new_tokens: int, store: PromptStore, hits: list[tuple[int, int] | None]) -> torch.Tensor:
+                        max_new_tokens: int, store: PromptStore | None,
+                        hits: list[tuple[int, int] | None]) -> torch.Tensor:
         """Like `prefill`, but row i's first `hits[i][1]` prompt tokens take their keys and values
         from row `hits[i][0]` of `store` (the same tokens at the same positions, same weights);
         only the remaining tail of the prompts runs through the layers. Needs the fused path."""
@@ -240,11 +287,11 @@ class LeanLlamaDecoder:
         D, n_rep, n_kv = self.head_dim, self.n_rep, self.n_kv
         n_heads = n_kv * n_rep
         n_qk = n_heads + n_kv
-        for (w1, eps1, (w_qkv, b_qkv), _, (w_o, b_o), w2, eps2, (w_gu, b_gu), inter, act,
-             (w_d, b_d)), k_buf, v_buf in zip(self.fused, self.keys, self.values):
+        for li, ((w1, eps1, qkv_wb, _, o_wb, w2, eps2, gu_wb, inter, act, d_wb), k_buf, v_buf) in enumerate(
+                zip(self.fused, self.keys, self.values)):
             x = h.pow(2).mean(-1, keepdim=True)
             x = w1 * (h * torch.rsqrt(x + eps1))
-            qkv = F.linear(x, w_qkv, b_qkv)  # [B, T, (n_heads + 2 n_kv) D]
+            qkv = self._lin(x, qkv_wb, li, 0)  # [B, T, (n_heads + 2 n_kv) D]
             qk = qkv[..., : n_qk * D].view(B, T, n_qk, D)
             qk = (qk * cos) + (rotate_half(qk) * sin)
             k_buf[:, :, L - T: L] = qk[:, :, n_heads:].transpose(1, 2)
@@ -255,15 +302,50 @@ class LeanLlamaDecoder:
                 values = values[:, :, None].expand(B, n_kv, n_rep, L, D).reshape(B, n_heads, L, D)
             o = F.scaled_dot_product_attention(qk[:, :, :n_heads].transpose(1, 2), keys, values,
                                                attn_mask=mask, scale=self.scaling)
-            h = h + F.linear(o.transpose(1, 2).reshape(B, T, -1), w_o, b_o)
+            h = h + self._lin(o.transpose(1, 2).reshape(B, T, -1), o_wb, li, 1)
             x = h.pow(2).mean(-1, keepdim=True)
             x = w2 * (h * torch.rsqrt(x + eps2))
-            gate, up = F.linear(x, w_gu, b_gu).split([inter, inter], dim=-1)
-            h = h + F.linear(act(gate) * up, w_d, b_d)
+            gate, up = self._lin(x, gu_wb, li, 2).split([inter, inter], dim=-1)
+            h = h + self._lin(act(gate) * up, d_wb, li, 3)
         x = h[:, -1]
         x = self.norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon))
         self._setup(mask_BL, positions_BL, max_new_tokens, x.dtype)
         return F.linear(x, *self.head)
+
+    def set_adapters(self, names: list[str | None], row_adapter: list[int]) -> bool:
+        """Rows decode with adapter `names[row_adapter[i]]` (None: the bare base); base-only
+        decoders only. False, and nothing set, when an adapter is not a vanilla LoRA."""
+        assert self.base_only and self.fused is not None
+        lora = []
+        for name in names:
+            per_layer = [[lora_factors(g, name) for g in groups] if name is not None else [None] * 4
+                         for groups in self.groups]
+            if any(f is False for layer in per_layer for f in layer):
+                return False
+            lora.append(per_layer)
+        self.lora = lora
+        self._set_rows(list(row_adapter))
+        return True
+
+    def _set_rows(self, row_adapter: list[int]) -> None:
+        self.row_adapter = row_adapter
+        segs, start = [], 0
+        for i in range(1, len(row_adapter) + 1):
+            if i == len(row_adapter) or row_adapter[i] != row_adapter[start]:
+                segs.append((start, i, row_adapter[start]))
+                start = i
+        self.segments = segs
+
+    def _lin(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None], layer: int, group: int) -> torch.Tensor:
+        """The fused linear `wb` on `x` [B, ..., in], plus each row segment's own adapter delta
+        (a base-only decoder): the base matmul runs once over every row."""
+        y = F.linear(x, *wb)
+        if self.lora is not None:
+            for s, e, k in self.segments:
+                f = self.lora[k][layer][group]
+                if f is not None:
+                    y[s:e] += F.linear(F.linear(x[s:e], f[0]), f[1])
+        return y
 
     def store(self, prompts: list[tuple[int, ...]], fingerprint: tuple) -> PromptStore:
         """The prompts' keys and values of the last prefill (decoding writes only later columns)."""
@@ -277,6 +359,8 @@ class LeanLlamaDecoder:
         self.mask_B11S = self.mask_B11S.index_select(0, keep_idx)
         self.cos_BTD = self.cos_BTD.index_select(0, keep_idx)
         self.sin_BTD = self.sin_BTD.index_select(0, keep_idx)
+        if self.lora is not None:
+            self._set_rows([self.row_adapter[i] for i in keep_idx.tolist()])
 
     @torch.inference_mode()
     def step(self, tok_B: torch.Tensor, t: int) -> torch.Tensor:
@@ -293,11 +377,11 @@ class LeanLlamaDecoder:
         n_heads = n_kv * n_rep
         n_qk = n_heads + n_kv
         cos, sin = cos[:, 0], sin[:, 0]  # [B, 1, D]: broadcast over heads
-        for (w1, eps1, (w_qkv, b_qkv), _, (w_o, b_o), w2, eps2, (w_gu, b_gu), inter, act,
-             (w_d, b_d)), k_buf, v_buf in zip(self.fused, self.keys, self.values):
+        for li, ((w1, eps1, qkv_wb, _, o_wb, w2, eps2, gu_wb, inter, act, d_wb), k_buf, v_buf) in enumerate(
+                zip(self.fused, self.keys, self.values)):
             x = h.pow(2).mean(-1, keepdim=True)  # LlamaRMSNorm, op for op
             x = w1 * (h * torch.rsqrt(x + eps1))
-            qkv = F.linear(x, w_qkv, b_qkv)[:, 0]  # [B, (n_heads + 2 n_kv) D]
+            qkv = self._lin(x, qkv_wb, li, 0)[:, 0]  # [B, (n_heads + 2 n_kv) D]
             qk = qkv[:, : n_qk * D].view(B, n_qk, D)  # rotary on q and k heads at once
             qk = (qk * cos) + (rotate_half(qk) * sin)
             k_buf[:, :, col] = qk[:, n_heads:]
@@ -307,11 +391,11 @@ class LeanLlamaDecoder:
             o = F.scaled_dot_product_attention(q, k_buf[:, :, : col + 1], v_buf[:, :, : col + 1],
                                                attn_mask=mask, scale=self.scaling)
             o = o.reshape(B, 1, -1)
-            h = h + F.linear(o, w_o, b_o)
+            h = h + self._lin(o, o_wb, li, 1)
             x = h.pow(2).mean(-1, keepdim=True)
             x = w2 * (h * torch.rsqrt(x + eps2))
-            gate, up = F.linear(x, w_gu, b_gu).split([inter, inter], dim=-1)
-            h = h + F.linear(act(gate) * up, w_d, b_d)
+            gate, up = self._lin(x, gu_wb, li, 2).split([inter, inter], dim=-1)
+            h = h + self._lin(act(gate) * up, d_wb, li, 3)
         x = h[:, -1]
         x = self.norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon))
         return F.linear(x, *self.head)

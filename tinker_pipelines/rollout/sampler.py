@@ -19,7 +19,10 @@ All rows decode together. Where time goes on CPU, and what this module does abou
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -39,26 +42,74 @@ class Sample:
     """'stop' (a stop token was sampled) or 'length' (max_new_tokens reached)."""
 
 
+@dataclass
+class SampleRequest:
+    """One caller's share of a batched `Sampler.sample_requests` call."""
+
+    prompts: list[list[int]]
+    """Token prompts to complete."""
+    max_new_tokens: int
+    """Tokens each completion may have."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 is greedy."""
+    generator: torch.Generator | None = None
+    """Source of this request's uniforms (one per prompt and step), advanced as if it were sampled alone."""
+    adapter: str | None = None
+    """The LoRA adapter its rows decode with; `BASE` for the bare base model; None: the model's
+    active adapter, as it is set."""
+
+
+BASE = "__base__"
+"""`SampleRequest.adapter` naming the base model without any adapter."""
+
+
 class ContextOverflowError(ValueError):
     """A prompt does not fit the model's context with room to generate."""
 
 
-def sample_tokens(logits_BV: torch.Tensor, temperature: float,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row; return (tokens_B, logprobs_B). temperature 0 is greedy.
+def sample_tokens(logits_BV: torch.Tensor, temperature: float | torch.Tensor,
+                  generator: torch.Generator | None = None,
+                  uniforms_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row; return (tokens_B, logprobs_B). Temperature 0 is greedy.
 
-    Greedy logprobs are reported at temperature 1. Sampling inverts the CDF with one uniform per
-    row (cumsum + searchsorted), ~10x cheaper on CPU than `torch.multinomial` at vocab 8k+.
+    `temperature` is one value or one per row. Greedy logprobs are reported at temperature 1.
+    Sampling inverts the CDF with one uniform per row (cumsum + searchsorted), ~10x cheaper on
+    CPU than `torch.multinomial` at vocab 8k+; the uniforms are `uniforms_B`, else drawn from
+    `generator` on its own device and moved to the logits' device (so a CPU generator gives the
+    same draws whatever device the model is on). The search is right-sided: a uniform of exactly
+    0 picks the first token with probability mass, never a zero-probability one.
     """
     logits_BV = logits_BV.float()
-    if temperature == 0:
+    B, V = logits_BV.shape
+    if isinstance(temperature, torch.Tensor):
+        temp_B = temperature.to(logits_BV.device, torch.float32)
+        greedy_B = temp_B.eq(0)
+        if not greedy_B.any():
+            temperature = 1.0 if bool(temp_B.eq(1).all()) else temp_B[:, None]
+        elif bool(greedy_B.all()):
+            temperature = 0.0
+        else:
+            scaled = logits_BV / torch.where(greedy_B, 1.0, temp_B)[:, None]
+            return _invert_cdf(torch.log_softmax(scaled, dim=-1), generator, uniforms_B, greedy_B)
+    if isinstance(temperature, (int, float)) and temperature == 0:
         logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
         tokens_B = logprobs_BV.argmax(dim=-1)
-    else:
-        logprobs_BV = torch.log_softmax(logits_BV if temperature == 1 else logits_BV / temperature, dim=-1)
-        cdf_BV = logprobs_BV.exp().cumsum(dim=-1)
-        u_B1 = torch.rand(logits_BV.shape[0], 1, generator=generator) * cdf_BV[:, -1:]
-        tokens_B = torch.searchsorted(cdf_BV, u_B1).squeeze(1).clamp_(max=logits_BV.shape[1] - 1)
+        return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+    scaled = logits_BV if isinstance(temperature, (int, float)) and temperature == 1 else logits_BV / temperature
+    return _invert_cdf(torch.log_softmax(scaled, dim=-1), generator, uniforms_B, None)
+
+
+def _invert_cdf(logprobs_BV: torch.Tensor, generator: torch.Generator | None, uniforms_B: torch.Tensor | None,
+                greedy_B: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    B, V = logprobs_BV.shape
+    if uniforms_B is None:
+        device = generator.device if generator is not None else "cpu"
+        uniforms_B = torch.rand(B, generator=generator, device=device)
+    cdf_BV = logprobs_BV.exp().cumsum(dim=-1)
+    u_B1 = uniforms_B.to(logprobs_BV.device)[:, None] * cdf_BV[:, -1:]
+    tokens_B = torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(1).clamp_(max=V - 1)
+    if greedy_B is not None:
+        tokens_B = torch.where(greedy_B, logprobs_BV.argmax(dim=-1), tokens_B)
     return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
 
 
@@ -113,11 +164,12 @@ class Sampler:
         those (the next turn of an episode) while the weights are unchanged (lean path only)."""
         self._lean: tuple[tuple, LeanLlamaDecoder] | None = None
         self._store: PromptStore | None = None
+        self._mixed: tuple[tuple, LeanLlamaDecoder | None] | None = None
 
     def invalidate(self) -> None:
         """Drop the fused weights and stored prompt keys/values (weights changed behind torch's
         version counters, e.g. through `param.data`, or to free memory)."""
-        self._lean = self._store = None
+        self._lean = self._store = self._mixed = None
 
     def _decoder(self) -> tuple[LeanLlamaDecoder | _HFDecoder, tuple | None]:
         """The decoder and the weights' fingerprint (None on the HF path). The lean decoder (its
@@ -130,96 +182,218 @@ class Sampler:
         self._lean = self._store = None
         return _HFDecoder(self.model), None
 
-    @torch.inference_mode()
     def sample(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
                generator: torch.Generator | None = None) -> list[Sample]:
         """Complete every prompt; rows are independent of each other's lengths."""
-        if not prompts:
-            return []
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if any(len(p) == 0 for p in prompts):
+        return self.sample_requests([SampleRequest(prompts, max_new_tokens, temperature, generator)])[0]
+
+    def supports_mixed_adapters(self) -> bool:
+        """Whether rows of different LoRA adapters can decode in one batch (lean Llama path,
+        vanilla LoRA adapters); otherwise `sample_requests` runs one adapter at a time."""
+        return (self.lean and LeanLlamaDecoder.supports(self.model) and hasattr(self.model, "peft_config")
+                and self._mixed_decoder() is not None)
+
+    @torch.inference_mode()
+    def sample_requests(self, requests: list[SampleRequest]) -> list[list[Sample]]:
+        """Complete several requests in one batch; returns each request's samples.
+
+        Every row's tokens depend only on its prompt, its adapter and its request's uniforms, not
+        on which other rows share the batch: a request's generator is advanced by one uniform per
+        prompt and step while any of its rows is live, exactly as if it were sampled alone. When
+        requests name LoRA adapters, all rows go through one base pass per step plus each row's
+        own adapter delta (`LeanLlamaDecoder` with per-row adapters)."""
+        for r in requests:
+            self._check(r)
+        live = [i for i, r in enumerate(requests) if r.prompts]
+        out: list[list[Sample]] = [[] for _ in requests]
+        if not live:
+            return out
+        named = [requests[i].adapter for i in live]
+        if any(a is not None for a in named):
+            active = getattr(self.model, "active_adapter", None)
+            requests = [r if r.adapter is not None else dataclasses.replace(r, adapter=active) for r in requests]
+            named = [requests[i].adapter for i in live]
+            decoder = self._mixed_decoder() if self.lean and LeanLlamaDecoder.supports(self.model) else None
+            order = sorted(live, key=lambda i: named.index(requests[i].adapter))  # rows grouped by adapter
+            try:
+                if decoder is None:
+                    raise _NotHostable
+                results = self._decode([requests[i] for i in order], decoder, None, mixed=True)
+            except _NotHostable:  # one adapter at a time through the model's own forward
+                results = []
+                for i in order:
+                    with _adapter_set(self.model, requests[i].adapter):
+                        decoder, fingerprint = self._decoder()
+                        results += self._decode([requests[i]], decoder, fingerprint)
+            for i, res in zip(order, results):
+                out[i] = res
+            return out
+        decoder, fingerprint = self._decoder()
+        results = self._decode([requests[i] for i in live], decoder, fingerprint)
+        for i, res in zip(live, results):
+            out[i] = res
+        return out
+
+    def _check(self, r: SampleRequest) -> None:
+        if r.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {r.temperature}")
+        if r.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {r.max_new_tokens}")
+        if any(len(p) == 0 for p in r.prompts):
             raise ValueError("empty prompt")
-        longest = max(len(p) for p in prompts)
-        if self.max_context is not None and longest + max_new_tokens > self.max_context:
+        longest = max((len(p) for p in r.prompts), default=0)
+        if self.max_context is not None and longest + r.max_new_tokens > self.max_context:
             raise ContextOverflowError(
-                f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the "
+                f"a prompt of {longest} tokens plus max_new_tokens={r.max_new_tokens} exceeds the "
                 f"model context of {self.max_context} tokens"
             )
-        B = len(prompts)
+
+    def _mixed_decoder(self) -> LeanLlamaDecoder | None:
+        """A decoder over the base weights alone (adapter deltas are added per row), kept while
+        the base weights are unchanged; None when an adapter cannot run unmerged this way."""
+        fingerprint = weights_fingerprint(self.model, base_only=True)
+        if self._mixed is None or self._mixed[0] != fingerprint:
+            decoder = LeanLlamaDecoder(self.model, base_only=True)
+            self._mixed = (fingerprint, decoder if decoder.fused is not None else None)
+        return self._mixed[1]
+
+    def _decode(self, requests: list[SampleRequest], decoder, fingerprint: tuple | None,
+                mixed: bool = False) -> list[list[Sample]]:
         device = next(self.model.parameters()).device
+        prompts = [p for r in requests for p in r.prompts]
+        req_of = [i for i, r in enumerate(requests) for _ in r.prompts]
+        B = len(prompts)
+        longest = max(len(p) for p in prompts)
+        M = max(r.max_new_tokens for r in requests)
         # identical prompts (a GRPO group) are prefilled once, then their cache rows repeated
-        unique: dict[tuple[int, ...], int] = {}
-        row_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
+        key = [(requests[req_of[b]].adapter, tuple(p)) if mixed else tuple(p) for b, p in enumerate(prompts)]
+        unique: dict = {}
+        row_of = [unique.setdefault(k, len(unique)) for k in key]
         U = len(unique)
         input_UL = torch.full((U, longest), self.pad_token_id, dtype=torch.long)
         mask_UL = torch.zeros((U, longest), dtype=torch.long)
-        for p, i in unique.items():  # left padding keeps every row's last token aligned
+        for k, i in unique.items():  # left padding keeps every row's last token aligned
+            p = k[1] if mixed else k
             input_UL[i, longest - len(p):] = torch.tensor(p)
             mask_UL[i, longest - len(p):] = 1
         input_UL, mask_UL = input_UL.to(device), mask_UL.to(device)
         positions_UL = (mask_UL.cumsum(-1) - 1).clamp_(min=0)
 
-        decoder, fingerprint = self._decoder()
-        reuse = self.reuse_prompts and fingerprint is not None and decoder.fused is not None
-        store = self._store if reuse and self._store is not None and self._store.fingerprint == fingerprint else None
-        hits = [store.lookup(p) for p in unique] if store is not None else []
-        if any(hits):
-            logits_BV = decoder.prefill_reusing(input_UL, mask_UL, positions_UL, max_new_tokens, store, hits)
+        if mixed:
+            names = list(dict.fromkeys(r.adapter for r in requests))
+            if not decoder.set_adapters([None if n == BASE else n for n in names], [names.index(k[0]) for k in unique]):
+                raise _NotHostable
+            logits_BV = decoder.prefill_reusing(input_UL, mask_UL, positions_UL, M, None, [None] * U)
+            reuse = False
         else:
-            logits_BV = decoder.prefill(input_UL, mask_UL, positions_UL, max_new_tokens)
-        self._store = decoder.store(list(unique), fingerprint) if reuse else None
-        if U < B:
+            reuse = self.reuse_prompts and fingerprint is not None and decoder.fused is not None
+            store = (self._store if reuse and self._store is not None and self._store.fingerprint == fingerprint
+                     else None)
+            hits = [store.lookup(p) for p in unique] if store is not None else []
+            if any(hits):
+                logits_BV = decoder.prefill_reusing(input_UL, mask_UL, positions_UL, M, store, hits)
+            else:
+                logits_BV = decoder.prefill(input_UL, mask_UL, positions_UL, M)
+            self._store = decoder.store(list(unique), fingerprint) if reuse else None
+        if U < B or mixed:
             expand = torch.tensor(row_of, device=device)
             decoder.select(expand)
             logits_BV = logits_BV.index_select(0, expand)
+
         # Per-row state lives in the current batch (live rows plus finished rows not yet pruned);
         # outputs of a row are read out when it is pruned or at the end.
         rows = list(range(B))  # original index of each batch row
-        tok_BT = torch.empty((B, max_new_tokens), dtype=torch.long, device=device)
-        lp_BT = torch.empty((B, max_new_tokens), dtype=torch.float32, device=device)
+        offsets = [0]
+        for r in requests:
+            offsets.append(offsets[-1] + len(r.prompts))
+        temps = [r.temperature for r in requests]
+        uniform_temp = len(set(temps)) == 1
+        temp_B = torch.tensor([temps[i] for i in req_of], device=device)
+        maxnew_B = torch.tensor([requests[i].max_new_tokens for i in req_of], device=device)
+        req_B = torch.tensor(req_of, device=device)
+        tok_BT = torch.empty((B, M), dtype=torch.long, device=device)
+        lp_BT = torch.empty((B, M), dtype=torch.float32, device=device)
         live_B = torch.ones(B, dtype=torch.bool, device=device)
-        end_B = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)  # tokens kept per row
-        n_live = B
+        end_B = maxnew_B.clone()  # tokens kept per row
+        req_live = [len(r.prompts) for r in requests]
         stop_ids = self.stop_token_ids
         is_stop_V = torch.zeros(logits_BV.shape[-1] + 1, dtype=torch.bool, device=device)
         is_stop_V[[i for i in stop_ids if 0 <= i < logits_BV.shape[-1]]] = True
+        stop_set = set(stop_ids)
         results: list[Sample | None] = [None] * B
+        row_idx = torch.arange(B, device=device)  # each batch row's column in the uniforms
+        ends_by_length = bool(maxnew_B.ne(M).any())
 
         def read_out(idx: list[int], t_end: int) -> None:
             toks, lps, ends = tok_BT[idx, :t_end].tolist(), lp_BT[idx, :t_end].tolist(), end_B[idx].tolist()
             for j, i in enumerate(idx):
                 n = ends[j]
-                stopped = n < max_new_tokens or toks[j][n - 1] in stop_ids
-                results[rows[i]] = Sample(tuple(toks[j][:n]), tuple(lps[j][:n]), "stop" if stopped else "length")
+                results[rows[i]] = Sample(tuple(toks[j][:n]), tuple(lps[j][:n]),
+                                          "stop" if toks[j][n - 1] in stop_set else "length")
 
-        for t in range(max_new_tokens):
-            tok_B, lp_B = sample_tokens(logits_BV, temperature, generator)
+        def uniforms() -> torch.Tensor | None:
+            parts, drew = [], False
+            for i, r in enumerate(requests):
+                n = len(r.prompts)
+                if r.temperature > 0 and req_live[i] > 0:
+                    gen = r.generator
+                    parts.append(torch.rand(n, generator=gen, device=gen.device if gen is not None else "cpu").cpu())
+                    drew = True
+                else:
+                    parts.append(torch.zeros(n))
+            if not drew:
+                return None
+            return torch.cat(parts).to(device).index_select(0, row_idx)
+
+        for t in range(M):
+            u_B = uniforms()
+            tok_B, lp_B = sample_tokens(logits_BV, temps[0] if uniform_temp else temp_B, None,
+                                        u_B if u_B is not None else torch.zeros(len(rows), device=device))
             tok_BT[:, t] = tok_B
             lp_BT[:, t] = lp_B
-            if stop_ids:
-                hit_B = is_stop_V[tok_B] & live_B
-                if hit_B.any():
-                    end_B.masked_fill_(hit_B, t + 1)
-                    live_B &= ~hit_B
-                    n_live = int(live_B.sum())
-                    if n_live == 0:
-                        break
-                    n_rows = live_B.shape[0]
-                    if (n_rows - n_live) * 4 >= n_rows:  # prune finished rows (copies the cache)
-                        dead = (~live_B).nonzero().squeeze(1)
-                        read_out(dead.tolist(), t + 1)
-                        keep = live_B.nonzero().squeeze(1)
-                        keep_l = keep.tolist()
-                        rows = [rows[i] for i in keep_l]
-                        tok_BT, lp_BT, end_B = tok_BT[keep], lp_BT[keep], end_B[keep]
-                        live_B = live_B[keep]
-                        tok_B = tok_BT[:, t]
-                        decoder.select(keep)
-            if t == max_new_tokens - 1:
+            done_B = is_stop_V[tok_B] & live_B if stop_ids else torch.zeros_like(live_B)
+            if ends_by_length:
+                done_B |= maxnew_B.eq(t + 1) & live_B
+            if done_B.any():
+                end_B = torch.where(done_B, torch.minimum(end_B, torch.full_like(end_B, t + 1)), end_B)
+                live_B &= ~done_B
+                n_live = int(live_B.sum())
+                counts = torch.bincount(req_B[live_B], minlength=len(requests)).tolist()
+                req_live[:] = counts
+                if n_live == 0 or t == M - 1:
+                    break
+                n_rows = live_B.shape[0]
+                if (n_rows - n_live) * 4 >= n_rows:  # prune finished rows (copies the cache)
+                    dead = (~live_B).nonzero().squeeze(1)
+                    read_out(dead.tolist(), t + 1)
+                    keep = live_B.nonzero().squeeze(1)
+                    rows = [rows[i] for i in keep.tolist()]
+                    tok_BT, lp_BT, end_B, live_B = tok_BT[keep], lp_BT[keep], end_B[keep], live_B[keep]
+                    temp_B, maxnew_B, req_B, row_idx = temp_B[keep], maxnew_B[keep], req_B[keep], row_idx[keep]
+                    tok_B = tok_BT[:, t]
+                    decoder.select(keep)
+            if t == M - 1:
                 break
             logits_BV = decoder.step(tok_B, t)
-        read_out(list(range(len(rows))), max_new_tokens)
-        return results  # type: ignore[return-value]
+        read_out(list(range(len(rows))), M)
+        return [results[offsets[i]:offsets[i + 1]] for i in range(len(requests))]  # type: ignore[misc]
+
+
+class _NotHostable(Exception):
+    """An adapter of the batch cannot run unmerged beside others (see `lora_factors`)."""
+
+
+@contextlib.contextmanager
+def _adapter_set(model: torch.nn.Module, adapter: str | None) -> Iterator[None]:
+    """Apply only `adapter` (None: the bare base) for the block, then restore the active one."""
+    previous = getattr(model, "active_adapter", None)
+    if adapter == BASE:
+        with model.disable_adapter():
+            yield
+        return
+    model.set_adapter(adapter)
+    try:
+        yield
+    finally:
+        if previous is not None and previous != adapter:
+            model.set_adapter(previous)

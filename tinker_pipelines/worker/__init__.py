@@ -1,0 +1,23 @@
+"""Resident device workers: one long-lived process per device owns the base model and hosts many
+experiments' LoRA adapters, each with its own optimizer, RNG, value head and step counter.
+
+- `engine`: the hosted adapters and the batching rule (concurrent `sample` calls decode in one
+  mixed-adapter batch; concurrent `forward_backward` calls share base passes, `batching`).
+- `server`: `tinker-pipelines worker`: a Unix socket (`multiprocessing.connection`, HMAC auth key),
+  one thread per client, one compute thread.
+- `client`: `WorkerClient`, and `RemoteLearner` / `RemoteSampler`, which stand in for the
+  in-process `Learner` / `Sampler` so the same `Experiment` runs either way.
+
+Only token ids, logprobs, advantages and file paths cross the socket, never weights.
+"""
+
+PROTOCOL_VERSION = 1
+"""Bumped whenever a request or reply changes shape; a client of another version is refused."""
+
+
+class WorkerError(RuntimeError):
+    """A worker refused or failed a request; the message names the worker and the experiment."""
+
+
+class WorkerDiedError(WorkerError):
+    """The worker process went away during a call."""

@@ -1,0 +1,195 @@
+"""Cross-adapter batching: several experiments' LoRA adapters in one pass over a shared base.
+
+The mLoRA idea: the frozen base's matmuls run once over the rows of every experiment, and each
+LoRA layer adds each experiment's low-rank delta to that experiment's rows only. Adapter
+parameters are disjoint and the base is frozen, so one backward of the sum of the experiments'
+losses, each normalised by its own batch, gives every adapter exactly its own gradient; the
+clip and the Adam step stay per experiment (`Learner.optim_step`). Sampling does the same
+inside the lean decoder (`LeanLlamaDecoder.set_adapters`).
+
+PEFT's own mixed batches (`adapter_names=`) are inference-only and gather each adapter's rows;
+here rows of one adapter are contiguous slices, which autograd handles without copies beyond a
+concatenation per layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from tinker_pipelines.algorithms.losses import LossBatch, LossConfig, LossFn
+from tinker_pipelines.learner import Learner, pad_datums
+from tinker_pipelines.prefix_sharing import PrefixPlan, plan_prefix_sharing, supports_prefix_sharing
+from tinker_pipelines.types import Datum
+
+Segments = list[tuple[int, int, str | None]]
+"""Contiguous row ranges [start, end) and the adapter they use (None: the bare base)."""
+
+
+def lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """PEFT LoRA layers of `model` (those holding `lora_A` modules)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict)]
+
+
+@contextlib.contextmanager
+def row_adapters(model: torch.nn.Module, layouts: dict[int, Segments]) -> Iterator[None]:
+    """Within the block, every LoRA layer adds adapter deltas per row segment on top of the
+    base output. Use inside `model.disable_adapter()` so the layers themselves add nothing.
+    `layouts` maps a batch size to its segments: a shared-prefix forward runs its prefix rows
+    and its continuation rows as two batches of different sizes."""
+
+    def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        segments = layouts.get(x.shape[0])
+        if segments is None:
+            raise RuntimeError(f"no adapter layout for a batch of {x.shape[0]} rows (have {sorted(layouts)})")
+        pieces = []
+        for s, e, name in segments:
+            y = output[s:e]
+            if name is not None and name in module.lora_A:
+                y = y + module.lora_B[name](module.lora_A[name](x[s:e])) * module.scaling[name]
+            pieces.append(y)
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+    handles = [m.register_forward_hook(hook) for m in lora_layers(model)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class _SegmentHeads(torch.nn.Module):
+    """Each segment's rows through its own experiment's value head (0 where it has none)."""
+
+    def __init__(self, segments: list[tuple[int, int, torch.nn.Module | None]]):
+        super().__init__()
+        self.segments = segments
+
+    def forward(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
+        parts = [head(hidden_BTH[s:e]) if head is not None else hidden_BTH.new_zeros(hidden_BTH[s:e].shape[:2])
+                 for s, e, head in self.segments]
+        return torch.cat(parts)
+
+
+@dataclass
+class FBJob:
+    """One experiment's pending `forward_backward` call."""
+
+    learner: Learner
+    """The experiment's learner (a LoRA adapter on the shared base)."""
+    datums: list[Datum]
+    """Its training datums."""
+    loss_fn: LossFn
+    """Its loss."""
+    loss_cfg: LossConfig
+    """Its loss settings."""
+    totals: dict[str, float] = field(default_factory=dict)
+    """Its metrics, as `Learner.forward_backward` returns them (set by the call)."""
+    error: BaseException | None = None
+    """Why it failed (set by the call), else None."""
+    total_w: float = 0.0
+    """Its datums' total loss weight (set by the call)."""
+
+
+def _pieces(job: FBJob) -> list[list[Datum]]:
+    mb = job.learner.cfg.micro_batch_size  # the same micro-batches as the experiment alone
+    return [job.datums[i:i + mb] for i in range(0, len(job.datums), mb)]
+
+
+def forward_backward_together(jobs: list[FBJob], max_rows: int = 256) -> list[FBJob]:
+    """Accumulate each job's gradient as `Learner.forward_backward` would, with the jobs' rows
+    sharing base passes of at most `max_rows` rows (at least one micro-batch per pass). Returns
+    the jobs with `totals` (their metrics) or `error` set; a job whose loss is not finite fails
+    alone and keeps no gradient from the call, the others go on."""
+    model = jobs[0].learner.model
+    if any(j.learner.model is not model or j.learner.cfg.mode != "lora" for j in jobs):
+        raise ValueError("forward_backward_together needs LoRA learners on one shared model")
+    pieces = [[(j, p) for p in _pieces(j)] for j in jobs]
+    order = [pc for k in range(max(len(p) for p in pieces)) for p_list in pieces if k < len(p_list)
+             for pc in [p_list[k]]]
+    passes, current = [], []
+    for job, chunk in order:
+        if current and sum(len(c) for _, c in current) + len(chunk) > max_rows:
+            passes.append(current)
+            current = []
+        current.append((job, chunk))
+    passes.append(current)
+    for job in jobs:
+        job.totals = {}
+        job.total_w = sum(sum(d.weights) for d in job.datums)
+    lead = jobs[0].learner
+    for members in passes:
+        _one_pass(model, lead, [(j, c) for j, c in members if j.error is None])
+    for job in jobs:
+        if job.error is not None:
+            for p in job.learner.params:
+                p.grad = None
+        else:
+            job.totals["trained_tokens"] = job.total_w
+    return jobs
+
+
+def _one_pass(model: torch.nn.Module, lead: Learner, members: list[tuple[FBJob, list[Datum]]]) -> None:
+    if not members:
+        return
+    datums = [d for _, chunk in members for d in chunk]
+    padded = pad_datums(datums, lead.pad_token_id, lead.device)
+    bounds, row = [], 0
+    for job, chunk in members:
+        bounds.append((row, row + len(chunk), job))
+        row += len(chunk)
+    temp_B11 = torch.tensor([j.learner.cfg.temperature for j, c in members for _ in c],
+                            device=lead.device)[:, None, None]
+    plan: PrefixPlan | None = None
+    layouts: dict[int, Segments] = {len(datums): [(s, e, j.learner.adapter_name) for s, e, j in bounds]}
+    if lead.cfg.share_prefix and supports_prefix_sharing(model):
+        plan = plan_prefix_sharing(padded.inputs_BT, padded.mask_BT, padded.fields["weights"],
+                                   breaks=frozenset(s for s, _, _ in bounds))
+        if plan is not None:  # prefix rows are ordered like their runs, so experiments stay contiguous
+            first_row_P = [plan.run_B.tolist().index(p) for p in range(len(plan.prefix_len_P))]
+            owner = [next(j for s, e, j in bounds if s <= r < e) for r in first_row_P]
+            segs, start = [], 0
+            for p in range(1, len(owner) + 1):
+                if p == len(owner) or owner[p] is not owner[start]:
+                    segs.append((start, p, owner[start].learner.adapter_name))
+                    start = p
+            layouts[len(owner)] = segs
+    needs_ref = any(j.learner.cfg.needs_reference for j, _ in members)
+    ref_BT = None
+    if needs_ref:
+        with torch.no_grad(), model.disable_adapter():
+            ref_BT = lead._forward(model, padded, temperature=temp_B11, head=None, plan=plan)[0]
+    heads = [(s, e, j.learner.value_head) for s, e, j in bounds]
+    head = _SegmentHeads(heads) if any(h is not None for _, _, h in heads) else None
+    with model.disable_adapter(), row_adapters(model, layouts):
+        for j, _ in members:  # PEFT froze them: `disable_adapter` and `set_adapter` of another adapter
+            for p in j.learner.params:
+                p.requires_grad_(True)
+        lp_BT, values_BT = lead._forward(model, padded, values=head is not None, temperature=temp_B11,
+                                         head=head, plan=plan)
+    total = None
+    for s, e, job in bounds:
+        f = {k: v[s:e] for k, v in padded.fields.items()}
+        critic = ({"values_BT": values_BT[s:e], "old_values_BT": f["old_values"], "returns_BT": f["returns"]}
+                  if job.learner.value_head is not None else {})
+        batch = LossBatch(f["weights"], f["behaviour_logprobs"], f["advantages"],
+                          ref_BT[s:e] if ref_BT is not None and job.learner.cfg.needs_reference else None, **critic)
+        loss, metrics = job.loss_fn(lp_BT[s:e], batch, job.loss_cfg)
+        if not torch.isfinite(loss):
+            job.error = FloatingPointError(f"non-finite loss {loss.item()} at learner step {job.learner.steps}")
+            continue
+        share = (float(f["weights"].sum()) / job.total_w if job.loss_cfg.normalization == "token"
+                 else (e - s) / len(job.datums))
+        total = loss * share if total is None else total + loss * share
+        for k, v in {"loss": loss.item(), **metrics}.items():
+            job.totals[k] = job.totals.get(k, 0.0) + v * share
+    if total is not None and math.isfinite(total.item()):
+        for j, _ in members:  # leaving `disable_adapter` froze them again, and a frozen leaf drops its gradient
+            for p in j.learner.params:
+                p.requires_grad_(True)
+        total.backward()

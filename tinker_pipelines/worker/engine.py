@@ -1,0 +1,289 @@
+"""What a worker hosts and how it runs requests: adapters on one base, batched across experiments."""
+
+from __future__ import annotations
+
+import resource
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinker_pipelines.algorithms.losses import LossConfig
+from tinker_pipelines.algorithms.registry import get_algorithm
+from tinker_pipelines.learner import Learner, LearnerConfig
+from tinker_pipelines.rollout.sampler import ContextOverflowError, Sample, Sampler, SampleRequest
+from tinker_pipelines.types import Datum
+from tinker_pipelines.worker.batching import FBJob, forward_backward_together
+
+
+class RequestError(ValueError):
+    """A request the worker refuses; it keeps serving the others."""
+
+
+@dataclass
+class Hosted:
+    """One experiment's adapter on the worker."""
+
+    learner: Learner
+    """Its learner (adapter, optimizer, value head, step counter)."""
+    generator: torch.Generator
+    """Its own sampling RNG, for requests that bring none (saved in its checkpoints)."""
+    owner: int
+    """Id of the client connection that created it; it is dropped when that client goes away."""
+    algorithm: str = ""
+    """Registered algorithm name its losses come from."""
+
+
+@dataclass
+class EngineConfig:
+    """Limits and batching of one worker."""
+
+    batching: bool = True
+    """Run concurrent requests of several experiments together (mixed-adapter decode, shared base
+    passes); off: one request at a time, each exactly as the in-process engine computes it."""
+    max_rows: int = 256
+    """Most sequences in one sample batch or one training pass."""
+    max_lora_rank: int = 64
+    """Largest LoRA rank an adapter may have."""
+    exclusive: bool = False
+    """Host one experiment only, which may train every parameter (mode 'full')."""
+
+
+@dataclass
+class Engine:
+    """The base model and its hosted adapters; every method runs on the worker's compute thread."""
+
+    model: torch.nn.Module
+    pad_token_id: int
+    stop_token_ids: list[int]
+    base: str
+    """Identity of the base model (`models.base_identity`); clients check it."""
+    cfg: EngineConfig = field(default_factory=EngineConfig)
+    hosted: dict[str, Hosted] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.base_model = self.model
+        self.sampler = Sampler(self.model, self.pad_token_id, self.stop_token_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # -- adapters ---------------------------------------------------------------------------
+    def create(self, owner: int, name: str, learner: dict[str, Any], seed: int, base_name: str,
+               algorithm: str = "") -> dict[str, Any]:
+        if not name or not isinstance(name, str) or name.startswith("__") or "." in name:
+            raise RequestError(f"adapter name {name!r} is not allowed (non-empty, no '.', not starting with '__')")
+        if name in self.hosted:
+            raise RequestError(f"adapter {name!r} already exists on this worker (held by another client); "
+                               "use another experiment name or stop that client")
+        try:
+            lcfg = LearnerConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in learner.items()})
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"learner config for {name!r}: {e}") from None
+        if lcfg.mode == "full" and not (self.cfg.exclusive and not self.hosted):
+            raise RequestError(f"experiment {name!r} trains every parameter (training.mode: full): it needs a worker "
+                               "of its own (`tinker-pipelines worker --exclusive`) or the in-process engine")
+        if self.cfg.exclusive and self.hosted:
+            raise RequestError(f"this worker is exclusive and already hosts {next(iter(self.hosted))!r}")
+        if lcfg.mode == "lora" and lcfg.lora_rank > self.cfg.max_lora_rank:
+            raise RequestError(f"adapter {name!r} has training.lora_rank {lcfg.lora_rank}; this worker hosts ranks "
+                               f"up to {self.cfg.max_lora_rank} (--max-lora-rank)")
+        if algorithm:
+            get_algorithm(algorithm)
+        base = self.model if lcfg.mode == "lora" else self.base_model
+        try:
+            lr = Learner(base, lcfg, self.pad_token_id, base_name=base_name, adapter_name=name, init_seed=seed)
+        except ValueError as e:
+            raise RequestError(f"adapter {name!r}: {e}") from None
+        if lcfg.mode == "lora":
+            self.model = lr.model  # a PeftModel from the first adapter on
+            self.sampler.model = self.model
+        gen = torch.Generator().manual_seed(seed)
+        self.hosted[name] = Hosted(lr, gen, owner, algorithm)
+        return {"steps": lr.steps}
+
+    def drop(self, name: str) -> None:
+        h = self.hosted.pop(name, None)
+        if h is None:
+            return
+        if h.learner.cfg.mode == "lora" and name in getattr(self.model, "peft_config", {}):
+            self.model.delete_adapter(name)
+        h.learner.optimizer.state.clear()
+        self.sampler.invalidate()
+
+    def drop_owned(self, owner: int) -> list[str]:
+        names = [n for n, h in self.hosted.items() if h.owner == owner]
+        for n in names:
+            self.drop(n)
+        return names
+
+    def get(self, name: str) -> Hosted:
+        h = self.hosted.get(name)
+        if h is None:
+            known = ", ".join(sorted(self.hosted)) or "none"
+            raise RequestError(f"unknown adapter {name!r} on this worker (hosted: {known})")
+        return h
+
+    # -- sampling ---------------------------------------------------------------------------
+    def sample(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Requests: {adapter, prompts, max_new_tokens, temperature, generator_state}; each reply
+        has the samples and the advanced generator state (or an error of its own)."""
+        replies: list[dict[str, Any] | None] = [None] * len(requests)
+        ready: list[tuple[int, SampleRequest, torch.Generator]] = []
+        rows = 0
+        for i, r in enumerate(requests):
+            try:
+                h = self.get(r["adapter"])
+                prompts = [list(map(int, p)) for p in r["prompts"]]
+                if len(prompts) > self.cfg.max_rows:
+                    raise RequestError(f"{len(prompts)} prompts exceed this worker's --max-rows {self.cfg.max_rows}")
+                gen = h.generator
+                if r.get("generator_state") is not None:
+                    gen = torch.Generator()
+                    gen.set_state(torch.frombuffer(bytearray(r["generator_state"]), dtype=torch.uint8))
+                req = SampleRequest(prompts, int(r["max_new_tokens"]), float(r["temperature"]), gen, r["adapter"])
+                self.sampler._check(req)
+                ready.append((i, req, gen))
+                rows += len(prompts)
+            except (RequestError, ValueError, KeyError, TypeError) as e:
+                replies[i] = _error(e)
+        groups = _chunk(ready, self.cfg.max_rows) if self.cfg.batching else [[x] for x in ready]
+        for group in groups:
+            if self.cfg.batching:
+                out = self.sampler.sample_requests([req for _, req, _ in group])
+            else:  # one adapter at a time, as the in-process engine does (merged adapter weights)
+                (_, req, _), = group
+                with _active(self.model, req.adapter):
+                    out = [self.sampler.sample(req.prompts, req.max_new_tokens, req.temperature, req.generator)]
+            for (i, req, gen), samples in zip(group, out):
+                replies[i] = {"samples": [(s.tokens, s.logprobs, s.stop_reason) for s in samples],
+                              "generator_state": gen.get_state().numpy().tobytes()
+                              if requests[i].get("generator_state") is not None else None}
+        return replies  # type: ignore[return-value]
+
+    # -- training ---------------------------------------------------------------------------
+    def forward_backward(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Calls: {adapter, datums, algorithm, loss_cfg}; LoRA calls of several adapters share base passes."""
+        replies: list[dict[str, Any] | None] = [None] * len(calls)
+        jobs: list[tuple[int, FBJob]] = []
+        for i, c in enumerate(calls):
+            try:
+                h = self.get(c["adapter"])
+                datums = c["datums"]
+                if not datums or not all(isinstance(d, Datum) for d in datums):
+                    raise RequestError("forward_backward needs a non-empty list of Datum")
+                loss_fn = get_algorithm(c["algorithm"]).loss
+                jobs.append((i, FBJob(h.learner, datums, loss_fn, LossConfig(**c["loss_cfg"]))))
+            except (RequestError, ValueError, KeyError, TypeError) as e:
+                replies[i] = _error(e)
+        lora = [(i, j) for i, j in jobs if j.learner.cfg.mode == "lora"]
+        if self.cfg.batching and len(lora) > 1:
+            forward_backward_together([j for _, j in lora], self.cfg.max_rows)
+            done = {i for i, _ in lora}
+            for i, j in lora:
+                replies[i] = _error(j.error) if j.error is not None else {"metrics": j.totals}
+        else:
+            done = set()
+        for i, j in jobs:
+            if i in done:
+                continue
+            try:
+                replies[i] = {"metrics": j.learner.forward_backward(j.datums, j.loss_fn, j.loss_cfg)}
+            except (FloatingPointError, ValueError) as e:
+                for p in j.learner.params:  # a failed call leaves no partial gradient behind
+                    p.grad = None
+                replies[i] = _error(e)
+        return replies  # type: ignore[return-value]
+
+    def call(self, name: str, op: str, **kw: Any) -> Any:
+        """The single-adapter operations."""
+        h = self.get(name)
+        lr = h.learner
+        if op == "optim_step":
+            return lr.optim_step()
+        if op == "compute_logprobs":
+            return lr.compute_logprobs(kw["datums"])
+        if op == "compute_values":
+            return lr.compute_values(kw["datums"])
+        if op == "save_state":
+            return lr.save_state(kw["path"], kw.get("record"), {**(kw.get("extra_rng") or {}),
+                                                                "adapter_generator": h.generator.get_state()})
+        if op == "verify_checkpoint":
+            return lr.verify_checkpoint(kw["path"], kw["probe_tokens"])
+        if op == "load_state":
+            path = Path(kw["path"])
+            record = _peek_record(path)
+            if record.get("base_model") not in (None, "", lr.base_name):
+                raise RequestError(f"checkpoint {path} was trained on base {record.get('base_model')!r}; adapter "
+                                   f"{name!r} lives on this worker's base {lr.base_name!r}")
+            record = lr.load_state(path)
+            rng = torch.load(path / "rng.pt", weights_only=True)
+            if "adapter_generator" in rng:
+                h.generator.set_state(rng["adapter_generator"])
+            return record
+        raise RequestError(f"unknown operation {op!r}")
+
+    def stats(self) -> dict[str, Any]:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return {"adapters": sorted(self.hosted), "base": self.base, "device": str(self.device),
+                "peak_rss_mb": usage.ru_maxrss / 1024, "rss_mb": _rss_mb()}
+
+
+def _peek_record(path: Path) -> dict[str, Any]:
+    import json
+
+    f = path / "record.json"
+    if not f.exists():
+        raise RequestError(f"{path} is not a checkpoint: no record.json")
+    return json.loads(f.read_text())
+
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    except OSError:
+        return 0.0
+
+
+def _chunk(items: list, max_rows: int) -> list[list]:
+    groups, current, rows = [], [], 0
+    for item in items:
+        n = len(item[1].prompts)
+        if current and rows + n > max_rows:
+            groups.append(current)
+            current, rows = [], 0
+        current.append(item)
+        rows += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+class _active:
+    """Make `adapter` the active one for the block (the merged, in-process decode path)."""
+
+    def __init__(self, model: torch.nn.Module, adapter: str):
+        self.model, self.adapter = model, adapter
+
+    def __enter__(self) -> None:
+        if getattr(self.model, "active_adapter", None) != self.adapter and hasattr(self.model, "set_adapter"):
+            self.model.set_adapter(self.adapter)
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _error(e: BaseException) -> dict[str, Any]:
+    kind = "context_overflow" if isinstance(e, ContextOverflowError) else type(e).__name__
+    msg = str(e)
+    if isinstance(e, KeyError):
+        msg = f"missing field {e}"
+    return {"error": kind, "message": msg}
+
+
+__all__ = ["Engine", "EngineConfig", "Hosted", "RequestError", "Sample"]

@@ -1,0 +1,242 @@
+"""The worker process: a Unix socket, one thread per client, one compute thread.
+
+Clients authenticate with the HMAC challenge of `multiprocessing.connection` (an auth key kept
+in a 0600 file beside the 0600 socket); the handshake runs in the client's own thread with a
+deadline, so a silent or unauthenticated client never blocks the others. The compute thread
+takes the first pending request, then waits up to `window_s` for every other connected client
+to have one pending too (Tinker's clock cycle): the `sample` calls of that cycle decode as one
+mixed-adapter batch and its `forward_backward` calls share base passes (`Engine`).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import AuthenticationError, Listener, answer_challenge, deliver_challenge
+from pathlib import Path
+from typing import Any
+
+from tinker_pipelines.worker import PROTOCOL_VERSION
+from tinker_pipelines.worker.engine import Engine, RequestError, _error
+
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+def key_path(address: str | Path) -> Path:
+    """Where the auth key of the worker at `address` is kept."""
+    return Path(f"{address}.key")
+
+
+@dataclass
+class _Item:
+    client: int
+    request: dict[str, Any]
+    reply: dict[str, Any] | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class WorkerServer:
+    """Serves one `Engine` on a Unix socket until `stop()` (or SIGTERM / SIGINT)."""
+
+    def __init__(self, engine: Engine, address: str | Path, authkey: bytes | None = None, window_s: float = 0.02,
+                 log=sys.stderr):
+        self.engine, self.address, self.window_s, self.log = engine, str(address), window_s, log
+        self.authkey = authkey or secrets.token_bytes(32)
+        self._queue: queue.Queue[_Item] = queue.Queue()
+        self._clients: set[int] = set()
+        self._next_client = 0
+        self._stopping = threading.Event()
+        self._listener: Listener | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        path = Path(self.address)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():  # a stale socket of a dead worker; a live one would still accept
+            path.unlink()
+        old_umask = os.umask(0o077)
+        try:
+            self._listener = Listener(self.address, family="AF_UNIX")
+            key = key_path(self.address)
+            key.write_bytes(self.authkey)
+            os.chmod(key, 0o600)
+        finally:
+            os.umask(old_umask)
+        threading.Thread(target=self._compute_loop, name="worker-compute", daemon=True).start()
+        threading.Thread(target=self._accept_loop, name="worker-accept", daemon=True).start()
+
+    def serve_forever(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+        self.start()
+        print(f"worker ready: socket={self.address} base={self.engine.base} device={self.engine.device} "
+              f"batching={'on' if self.engine.cfg.batching else 'off'}", flush=True)
+        try:
+            while not self._stopping.wait(0.5):
+                pass
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        if self._stopping.is_set() and self._listener is None:
+            return
+        self._stopping.set()
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()  # unlinks the socket
+        for p in (Path(self.address), key_path(self.address)):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+
+    # -- clients ----------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn = self._listener.accept()  # type: ignore[union-attr]
+            except (OSError, AttributeError):
+                return
+            self._next_client += 1
+            threading.Thread(target=self._serve_client, args=(conn, self._next_client), daemon=True).start()
+
+    def _serve_client(self, conn, client: int) -> None:
+        deadline = threading.Timer(HANDSHAKE_TIMEOUT_S, conn.close)
+        deadline.start()
+        try:
+            deliver_challenge(conn, self.authkey)
+            answer_challenge(conn, self.authkey)
+            hello = conn.recv()
+        except (AuthenticationError, OSError, EOFError, ValueError) as e:
+            print(f"worker: refused a client ({type(e).__name__}: {e})", file=self.log, flush=True)
+            conn.close()
+            return
+        finally:
+            deadline.cancel()
+        if not (isinstance(hello, dict) and hello.get("op") == "hello" and hello.get("v") == PROTOCOL_VERSION):
+            version = hello.get("v") if isinstance(hello, dict) else None
+            _send(conn, {"ok": False, "error": "ProtocolError",
+                         "message": f"client speaks protocol {version!r}, this worker speaks {PROTOCOL_VERSION}"})
+            conn.close()
+            return
+        e = self.engine
+        _send(conn, {"ok": True, "result": {"protocol": PROTOCOL_VERSION, "base": e.base, "device": str(e.device),
+                                            "batching": e.cfg.batching, "stop_token_ids": e.stop_token_ids,
+                                            "pad_token_id": e.pad_token_id, "pid": os.getpid(),
+                                            "max_context": e.sampler.max_context}})
+        self._clients.add(client)
+        try:
+            while True:
+                try:
+                    request = conn.recv()
+                except (EOFError, OSError):
+                    break
+                except Exception as exc:  # a message that does not unpickle here
+                    request = f"unreadable request ({type(exc).__name__}: {exc})"
+                if not isinstance(request, dict):
+                    message = request if isinstance(request, str) else "a request is a dict"
+                    if not _send(conn, {"ok": False, "error": "ProtocolError", "message": message}):
+                        break
+                    continue
+                item = _Item(client, request)
+                self._queue.put(item)
+                item.done.wait()
+                if not _send(conn, item.reply):
+                    break  # the client went away mid-call; the others are untouched
+        finally:
+            self._clients.discard(client)
+            conn.close()
+            self._queue.put(_Item(client, {"op": "_disconnected"}))
+
+    # -- compute ----------------------------------------------------------------------------
+    def _compute_loop(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            if self.engine.cfg.batching:
+                deadline = time.monotonic() + self.window_s
+                while not self._clients <= {i.client for i in batch}:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    try:
+                        batch.append(self._queue.get(timeout=remaining))
+                    except queue.Empty:
+                        break
+            try:
+                with self.engine.lock:
+                    self._run(batch)
+            except Exception as e:  # a bug must not kill the worker: report it to the callers
+                traceback.print_exc(file=self.log)
+                for item in batch:
+                    if item.reply is None:
+                        item.reply = {"ok": False, **_error(e)}
+            for item in batch:
+                if item.reply is None:
+                    item.reply = {"ok": True, "result": None}
+                item.done.set()
+
+    def _run(self, batch: list[_Item]) -> None:
+        e = self.engine
+        for item in batch:
+            if item.request.get("op") in ("sample", "forward_backward"):
+                try:
+                    self._check_owner(item.client, item.request.get("adapter"))
+                except RequestError as exc:
+                    item.reply = {"ok": False, **_error(exc)}
+        for kind, run in (("sample", e.sample), ("forward_backward", e.forward_backward)):
+            items = [i for i in batch if i.request.get("op") == kind and i.reply is None]
+            if items:
+                for item, reply in zip(items, run([i.request for i in items])):
+                    item.reply = ({"ok": False, **reply} if "error" in reply else {"ok": True, "result": reply})
+        for item in batch:
+            if item.reply is not None:
+                continue
+            r = item.request
+            try:
+                op = r.get("op")
+                if op == "create":
+                    result = e.create(item.client, r["name"], r["learner"], int(r["seed"]), r.get("base_name", ""),
+                                      r.get("algorithm", ""))
+                elif op == "drop":
+                    self._check_owner(item.client, r["name"])
+                    result = e.drop(r["name"])
+                elif op == "call":
+                    self._check_owner(item.client, r["adapter"])
+                    result = e.call(r["adapter"], r["what"], **r.get("kwargs", {}))
+                elif op == "stats":
+                    result = e.stats()
+                elif op == "_disconnected":
+                    dropped = e.drop_owned(item.client)
+                    if dropped:
+                        print(f"worker: client {item.client} went away; dropped {', '.join(dropped)}",
+                              file=self.log, flush=True)
+                    result = None
+                elif op == "shutdown":
+                    threading.Thread(target=self.stop, daemon=True).start()
+                    result = None
+                else:
+                    raise RequestError(f"unknown operation {op!r}")
+                item.reply = {"ok": True, "result": result}
+            except (RequestError, ValueError, KeyError, TypeError, FloatingPointError, RuntimeError,
+                    FileNotFoundError) as exc:
+                item.reply = {"ok": False, **_error(exc)}
+
+    def _check_owner(self, client: int, name: str) -> None:
+        h = self.engine.get(name)
+        if h.owner != client:
+            raise RequestError(f"adapter {name!r} belongs to another client of this worker")
+
+
+def _send(conn, message: Any) -> bool:
+    try:
+        conn.send(message)
+        return True
+    except (OSError, ValueError):
+        return False

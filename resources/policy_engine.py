@@ -36,12 +36,17 @@ _LOCK = threading.RLock()
 
 
 def evict(experiment: str | None = None) -> None:
-    """Forget the resident experiment(s) (tests; after a failure mid-update)."""
+    """Forget the resident experiment(s) (tests; after a failure mid-update). An experiment on a
+    worker closes its connection, so the worker drops its adapter."""
     with _LOCK:
+        entries = list(_CACHE.values()) if experiment is None else [e for e in [_CACHE.get(experiment)] if e]
         if experiment is None:
             _CACHE.clear()
         else:
             _CACHE.pop(experiment, None)
+    for entry in entries:
+        if entry.exp.worker is not None:
+            entry.exp.worker.close()
 
 
 def resident(experiment: str) -> Experiment | None:
@@ -54,6 +59,37 @@ class PolicyEngine(dg.ConfigurableResource):
 
     keep_resident: bool = True
     """Keep the experiment in memory after a step; false reloads from checkpoints every step."""
+    worker: str = ""
+    """Socket of a resident worker to train LoRA experiments on ('' : $TINKER_WORKER, else in-process)."""
+    start_worker: bool = False
+    """Start a worker on the experiment's base when none listens at `worker` (default socket under .tinker/)."""
+
+    def worker_address(self, cfg: Config, base: Path | None) -> str | None:
+        """Where this experiment's worker listens, starting one if asked; None: in-process."""
+        import os
+
+        address = self.worker or os.environ.get("TINKER_WORKER", "")
+        if not address and not self.start_worker:
+            return None
+        if cfg.training.mode != "lora":
+            return None  # full-parameter experiments never share a base: in-process
+        m = cfg.model
+        seed = cfg.seed if m.seed is None else m.seed
+        model = str(base) if base is not None else m.name
+        if not address:
+            from tinker_pipelines.cli import default_socket
+            from tinker_pipelines.models import base_identity, resolve_device
+
+            address = str(default_socket(base_identity(model, {} if base else m.kwargs, seed),
+                                         str(resolve_device(m.device))).resolve())
+        if self.start_worker and not Path(address).exists():
+            import json
+
+            from tinker_pipelines.worker.client import start_worker
+
+            extra = [] if base is not None else ["--seed", str(seed), "--model-kwargs", json.dumps(m.kwargs)]
+            start_worker(model, address, device=m.device, dtype=m.dtype, extra=extra, log=f"{address}.log")
+        return address
 
     def experiment(self, name: str, cfg: Config, at: int, checkpoint: Callable[[int], Path | None],
                    sft_base: Callable[[], Path | None] = lambda: None) -> Experiment:
@@ -66,19 +102,23 @@ class PolicyEngine(dg.ConfigurableResource):
             entry = _CACHE.get(name)
             if entry is not None and entry.cfg == cfg and entry.exp.iteration == at and entry.exp.learner is not None:
                 return entry.exp
-            exp = self._load(cfg, at, checkpoint, sft_base)
+            exp = self._load(cfg, at, checkpoint, sft_base, name)
             if self.keep_resident:
                 _CACHE[name] = _Entry(cfg, exp)
             return exp
 
-    @staticmethod
-    def _load(cfg: Config, at: int, checkpoint: Callable[[int], Path | None],
-              sft_base: Callable[[], Path | None]) -> Experiment:
+    def _load(self, cfg: Config, at: int, checkpoint: Callable[[int], Path | None],
+              sft_base: Callable[[], Path | None], name: str = "") -> Experiment:
         base = sft_base() if cfg.sft.steps else None
         if cfg.sft.steps and base is None:
             raise RuntimeError(f"sft.steps is {cfg.sft.steps}: materialize sft_checkpoint (the `sft` job) first")
-        exp = Experiment(cfg)
-        if base is not None:  # as train() does on resume: the warm-started weights replace the base
+        address = self.worker_address(cfg, Path(base).resolve() if base is not None else None)
+        if address is not None:
+            exp = Experiment(cfg, worker=address, name=name or None,
+                             base=Path(base).resolve() if base is not None else None)
+        else:
+            exp = Experiment(cfg)
+        if base is not None and exp.worker is None:  # as train() does on resume: the warm-started weights replace the base
             exp.use_base(base)
         exp.start_rl()
         if at > 0:

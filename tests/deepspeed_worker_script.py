@@ -1,0 +1,160 @@
+"""One rank of tests/test_deepspeed.py, launched by `torchrun --nproc_per_node N`.
+
+For each ZeRO stage and case, on the tiny model: one step of `DeepSpeedLearner` against a plain
+`Learner(mode="full")` in this process (same datums on every rank), then its checkpoint loaded
+without DeepSpeed (`Learner.load_state`, `from_pretrained`) and by a fresh `DeepSpeedLearner`,
+each taking a second step against the plain learner's second step. Rank 0 writes the measured
+differences as JSON to argv[1]; the test holds them to its tolerances.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from tinker_pipelines.algorithms import LossConfig, get_algorithm
+from tinker_pipelines.datums import critic_datums, rl_datums
+from tinker_pipelines.deepspeed_learner import DeepSpeedLearner
+from tinker_pipelines.envs import EnvSpec
+from tinker_pipelines.learner import Learner, LearnerConfig
+from tinker_pipelines.models import load_model, stop_token_ids
+from tinker_pipelines.rollout.episodes import RolloutConfig, run_groups
+from tinker_pipelines.rollout.sampler import Sampler
+from tinker_pipelines.types import Trajectory, TrajectoryGroup
+
+CASES = {
+    # GRPO with a KL penalty (a frozen reference), sequence-mean loss
+    "grpo_kl": dict(algorithm="grpo", loss=LossConfig(kl_coef=0.1, normalization="sequence"),
+                    learner=dict(needs_reference=True)),
+    # PPO: a value head in the same ZeRO optimizer with its own learning rate, token-mean loss
+    "ppo_token": dict(algorithm="ppo", loss=LossConfig(normalization="token"),
+                      learner=dict(value_head=True, value_learning_rate=3e-2)),
+}
+NUM_DATUMS = 13
+"""Odd, with micro-batches of 3: 2 ranks get 8 and 5 datums, so rank 1 runs a padding micro-batch."""
+G_MIN = 1e-5
+"""Elements whose RMS gradient is below this (1000 x Adam's eps) are left out of the elementwise
+parameter check (they are in the gradient check): Adam's update lr * m / (sqrt(v) + eps) turns
+the ~1e-9 rounding noise of summing a gradient in another order into a visible change of the
+update there (up to 2 lr when g ~ 0)."""
+
+
+def _groups(model, tok) -> list[TrajectoryGroup]:
+    sampler = Sampler(model, tok.pad_token_id, stop_token_ids(tok))
+    groups = run_groups(sampler, tok, EnvSpec("arithmetic"), [1, 2, 3, 4], 4, RolloutConfig(max_new_tokens=6),
+                        torch.Generator().manual_seed(0))
+    # a random model rarely answers right: seeded random rewards, so that every group teaches
+    rng = random.Random(0)
+    return [TrajectoryGroup(tuple(Trajectory(t.turns, rng.random(), t.task_id) for t in g.trajectories))
+            for g in groups]
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().flatten().float().cpu() for t in tensors])
+
+
+def _adam(state: dict, key: str) -> torch.Tensor:
+    """One Adam state of every parameter, flat, from a `torch.optim.AdamW.state_dict()`."""
+    return _flat(state["state"][i][key] for i in sorted(state["state"]))
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _compare(params: list, ref_params: list, ref_state: dict, steps: int) -> dict[str, float]:
+    """Parameter differences where the reference gradient is well conditioned for Adam (see
+    G_MIN), and everywhere."""
+    d = (_flat(params) - _flat(ref_params)).abs()
+    g = (_adam(ref_state, "exp_avg_sq") / (1 - 0.999 ** steps)).sqrt()  # RMS gradient per element
+    well = g >= G_MIN
+    return {"param_max_abs_well": float(d[well].max()), "well_fraction": float(well.float().mean()),
+            "param_max_abs_all": float(d.max())}
+
+
+def _step(learner, datums, algo, loss_cfg) -> dict[str, float]:
+    return {**learner.forward_backward(datums, algo.loss, loss_cfg), **learner.optim_step()}
+
+
+def run_case(stage: int, name: str, model0, tok, out_dir: Path) -> dict[str, float]:
+    case = CASES[name]
+    algo, loss_cfg = get_algorithm(case["algorithm"]), case["loss"]
+    lcfg = LearnerConfig(mode="full", learning_rate=1e-2, micro_batch_size=3, **case["learner"])
+    plain = Learner(copy.deepcopy(model0), lcfg, tok.pad_token_id, base_name="tiny")
+    groups = _groups(model0, tok)
+    if algo.value_head:
+        datums = critic_datums(groups, plain.compute_values, loss_cfg.gamma, loss_cfg.gae_lambda)
+    else:
+        datums = rl_datums(groups, "group_normalized")
+    datums = datums[:NUM_DATUMS]
+    assert len(datums) == NUM_DATUMS, len(datums)
+
+    start = time.perf_counter()
+    zero = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}  # partition even tiny tensors
+    ds = DeepSpeedLearner(copy.deepcopy(model0), lcfg, tok.pad_token_id, base_name="tiny", stage=stage,
+                          zero_overrides=zero)
+    res: dict[str, float] = {"init_s": time.perf_counter() - start}
+    rank = torch.distributed.get_rank()  # the learner has joined (or made) the process group
+    m_plain, m_ds = _step(plain, datums, algo, loss_cfg), _step(ds, datums, algo, loss_cfg)
+    assert set(m_plain) == set(m_ds), (sorted(m_plain), sorted(m_ds))
+    res["grad_norm_rel"] = _rel(m_ds["grad_norm"], m_plain["grad_norm"])
+    res["metrics_max_err"] = max(abs(m_ds[k] - m_plain[k]) / (1 + abs(m_plain[k])) for k in m_plain)
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, m_ds)
+    res["ranks_agree"] = float(all(g == m_ds for g in gathered))  # every rank reports the same numbers
+    plain_state = plain.optimizer.state_dict()
+    res.update(_compare(ds.params, plain.params, plain_state, 1))
+
+    ck = out_dir / f"zero{stage}_{name}"
+    record = ds.save_state(ck, {"iteration": 1})
+    res["record_ok"] = float(record["learner_steps"] == 1 and bool(record["content_hash"])
+                             and record["deepspeed"]["stage"] == stage)
+    if rank == 0:  # without DeepSpeed: the consolidated Adam states, a plain learner and from_pretrained
+        saved = torch.load(ck / "optimizer.pt", weights_only=True)["optimizer"]
+        m, m_ref = _adam(saved, "exp_avg"), _adam(plain_state, "exp_avg")  # 0.1 x the clipped gradient
+        res["grad_max_err"] = float((m - m_ref).abs().max() / m_ref.abs().max())
+        resumed = Learner(copy.deepcopy(model0), lcfg, tok.pad_token_id, base_name="tiny")
+        assert resumed.load_state(ck)["iteration"] == 1 and resumed.steps == 1
+        x = torch.tensor([datums[0].input_tokens])
+        hf = AutoModelForCausalLM.from_pretrained(ck).eval()
+        with torch.no_grad():
+            logits = ds.model(x).logits
+            res["logits_learner_max_abs"] = float((resumed.model(x).logits - logits).abs().max())
+            res["logits_hf_max_abs"] = float((hf(x).logits - logits).abs().max())
+    ds_m2 = _step(ds, datums, algo, loss_cfg)
+    if rank == 0:  # a plain learner resumes a DeepSpeed checkpoint: its second step against DeepSpeed's
+        m2 = _step(resumed, datums, algo, loss_cfg)
+        res["plain_resume_grad_norm_rel"] = _rel(m2["grad_norm"], ds_m2["grad_norm"])
+        res.update({f"plain_resume_{k}": v for k, v in
+                    _compare(ds.params, resumed.params, resumed.optimizer.state_dict(), 2).items()})
+    # DeepSpeed resumes its checkpoint (collective): the same second step, bit for bit
+    ds2 = DeepSpeedLearner(copy.deepcopy(model0), lcfg, tok.pad_token_id, base_name="tiny", stage=stage,
+                           zero_overrides=zero)
+    assert ds2.load_state(ck)["iteration"] == 1 and ds2.steps == 1
+    m2 = _step(ds2, datums, algo, loss_cfg)
+    res["ds_resume_param_max_abs"] = float((_flat(ds2.params) - _flat(ds.params)).abs().max())
+    res["ds_resume_metrics_equal"] = float(m2 == ds_m2)
+    return res
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    stages = [int(s) for s in sys.argv[2].split(",")] if len(sys.argv) > 2 else [2, 3]
+    cases = sys.argv[3].split(",") if len(sys.argv) > 3 else list(CASES)
+    torch.manual_seed(0)
+    model0, tok = load_model("tiny", seed=0)
+    results = {f"zero{s}/{c}": run_case(s, c, model0, tok, out.parent / "checkpoints") for s in stages for c in cases}
+    if torch.distributed.get_rank() == 0:
+        results["world_size"] = torch.distributed.get_world_size()
+        out.write_text(json.dumps(results, indent=2, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -195,3 +195,20 @@ def test_killed_worker_is_a_clear_error_and_a_new_one_resumes_bit_exactly(tmp_pa
     rest = [deterministic_metrics(exp2.run_iteration(i)) for i in (1, 2)]
     assert rest == reference[1:] or all(
         r[k] == pytest.approx(f[k], abs=1e-4) for r, f in zip(rest, reference[1:]) for k in f)
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    bad = subprocess.run([sys.executable, "-m", "tinker_pipelines", "worker", "--model", "nope"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: model.name 'nope'")
+    assert "Traceback" not in bad.stderr
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**SMALL, "env": {"path": "arithmetic"}, "output_dir": str(tmp_path / "o")}))
+    r = subprocess.run([sys.executable, "-m", "tinker_pipelines", "train", str(cfg), "--worker", str(tmp_path / "no.sock")],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "error: no worker at" in r.stderr and "Traceback" not in r.stderr

@@ -50,7 +50,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     try:
         train(cfg, on_iteration=on_iter, on_sft_step=on_sft, resume=args.resume, worker=args.worker or None)
-    except WorkerError as e:
+    except (WorkerError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     sft_bar.close()

@@ -1,0 +1,240 @@
+"""Many experiments on one resident worker vs one alone, side by side in one run.
+
+    python -m benchmarks.multi_lora [--model smollm2-135m-instruct] [--iterations 2]
+
+Parts (all on this machine, fp32 CPU unless the model's device says otherwise):
+- sampling: one mixed batch (4 adapters x 4 rows) through the worker's decoder vs one adapter x
+  16 rows (its merged-weight decode, what a single experiment gets) vs PEFT's `adapter_names`
+  mixed batch through HF `generate` on the same batch; tokens/s.
+- a worker with 1 experiment vs a worker with 4 experiments (different seeds) running their RL
+  iterations concurrently (one client thread each): peak RSS of each worker, aggregate tokens/s
+  (sampled plus trained), and each experiment's per-iteration metrics against its solo run (with
+  batching on: within 1e-4 on losses and logprob-derived figures; a third worker with batching
+  off must match exactly).
+- the same 4 experiments as 4 separate in-process trainers (4 processes), peak RSS summed, for reference.
+
+Last line: JSON with memory_ratio, sampling_ratio, peft_sampling_ratio, aggregate_ratio, identical,
+identical_exact_unbatched, separate_processes_memory_ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from tinker_pipelines.config import config_from_dict
+from tinker_pipelines.train import Experiment, deterministic_metrics
+from tinker_pipelines.worker.client import start_worker
+
+N_EXP = 4
+
+
+DEVICE = "cpu"
+"""Where the workers and models run (`--device`)."""
+
+
+def experiment_config(model: str, seed: int, out: Path) -> dict:
+    env = {"path": "repeat"} if model != "tiny" else {"path": "arithmetic", "kwargs": {"max_operand": 3, "partial_credit": 1.0}}
+    return {"seed": seed, "output_dir": str(out / f"exp{seed}"), "model": {"name": model, "seed": 0, "device": DEVICE,
+                                                                    "dtype": "float32"},
+            "env": env, "algorithm": {"name": "grpo"},
+            "training": {"mode": "lora", "iterations": 10, "learning_rate": 2e-3, "groups_per_batch": 4, "group_size": 4,
+                         "max_new_tokens": 16, "micro_batch_size": 16},
+            "eval": {"every": 1000, "num_tasks": 1}}
+
+
+def run_experiments(address: str, model: str, seeds: list[int], iterations: int, out: Path) -> tuple[dict, float, float]:
+    """Each seed's experiment on the worker, concurrently; returns (metrics per seed, tokens, wall s)."""
+    results: dict[int, list[dict]] = {}
+    errors: list[BaseException] = []
+    exps = {s: Experiment(config_from_dict(experiment_config(model, s, out)), worker=address, name=f"exp{s}")
+            for s in seeds}
+    for e in exps.values():
+        e.start_rl()
+    barrier = threading.Barrier(len(seeds))
+
+    def go(seed: int) -> None:
+        try:
+            barrier.wait()
+            results[seed] = [deterministic_metrics(exps[seed].run_iteration(i)) for i in range(iterations)]
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=go, args=(s,)) for s in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    tokens = sum(m.get("sampled_tokens", 0) + m.get("trained_tokens", 0) for ms in results.values() for m in ms)
+    for e in exps.values():
+        e.worker.close()
+    return results, tokens, wall
+
+
+def worker_stats(address: str) -> dict:
+    from tinker_pipelines.worker.client import WorkerClient
+
+    c = WorkerClient(address)
+    try:
+        return c.request("stats")
+    finally:
+        c.close()
+
+
+def close_enough(a: list[dict], b: list[dict], tol: float = 1e-4) -> bool:
+    return all(x.keys() == y.keys() and all(abs(x[k] - y[k]) <= tol * max(1.0, abs(y[k])) for k in x)
+               for x, y in zip(a, b, strict=True))
+
+
+def sampling_part(model_name: str, rows: int = 16, tokens: int = 32, reps: int = 3) -> dict:
+    from peft import LoraConfig, get_peft_model
+
+    from tinker_pipelines.models import encode_chat, load_model, stop_token_ids
+    from tinker_pipelines.rollout.sampler import Sampler, SampleRequest
+
+    model, tok = load_model(model_name, device=DEVICE)
+    peft = None
+    names = [f"exp{i}" for i in range(N_EXP)]
+    for n in names:
+        cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                             "up_proj", "down_proj"])
+        peft = get_peft_model(model, cfg, adapter_name=n) if peft is None else (peft.add_adapter(n, cfg) or peft)
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 1e-3)
+    peft.eval()
+    prompts = [encode_chat(tok, [{"role": "user", "content": f"Repeat this: {1000 + 37 * i}"}]) for i in range(rows)]
+    sampler = Sampler(peft, tok.pad_token_id, [])  # no stops: every row decodes `tokens` tokens
+    per = rows // N_EXP
+
+    def mixed():
+        return sampler.sample_requests([SampleRequest(prompts[i * per:(i + 1) * per], tokens, 1.0,
+                                                      torch.Generator().manual_seed(i), n) for i, n in enumerate(names)])
+
+    def single():
+        peft.set_adapter(names[0])
+        return sampler.sample(prompts, tokens, 1.0, torch.Generator().manual_seed(0))
+
+    def peft_mixed():
+        peft.set_adapter(names[0])
+        ids = torch.full((rows, max(len(p) for p in prompts)), tok.pad_token_id, device=model.device)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, -len(p):] = torch.tensor(p, device=model.device)
+            mask[i, -len(p):] = 1
+        with torch.inference_mode():
+            return peft.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                                 do_sample=True, adapter_names=[names[i // per] for i in range(rows)],
+                                 pad_token_id=tok.pad_token_id)
+
+    times = {"mixed": [], "single": [], "peft": []}
+    for fn in (mixed, single, peft_mixed):  # warm-up (fused weights, caches)
+        fn()
+    for _ in range(reps):  # interleaved so load on the machine hits all three alike
+        for key, fn in (("mixed", mixed), ("single", single), ("peft", peft_mixed)):
+            t = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t)
+    tps = {k: rows * tokens / min(v) for k, v in times.items()}
+    return tps
+
+
+def separate_processes(model: str, out: Path) -> float:
+    """Peak RSS (MB) summed over N_EXP in-process trainers run at the same time."""
+    code = ("import resource,sys,json,torch; torch.set_num_threads(1)\n"
+            f"import benchmarks.multi_lora as b; b.DEVICE = {DEVICE!r}\n"
+            "from tinker_pipelines.config import config_from_dict\n"
+            "from tinker_pipelines.train import Experiment\n"
+            "from benchmarks.multi_lora import experiment_config\n"
+            "from pathlib import Path\n"
+            f"e = Experiment(config_from_dict(experiment_config({model!r}, int(sys.argv[1]), Path({str(out)!r}))))\n"
+            "e.start_rl(); e.run_iteration(0)\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(s)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+             for s in range(N_EXP)]
+    return sum(float(p.communicate()[0].decode().strip().splitlines()[-1]) for p in procs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--iterations", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (fp32 either way)")
+    args = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
+    torch.set_num_threads(args.threads)
+    out = Path(tempfile.mkdtemp(prefix="multi-lora-"))
+    seeds = list(range(1, N_EXP + 1))
+    print(f"model {args.model}, {N_EXP} experiments, {args.iterations} iterations each; load avg {os.getloadavg()[0]:.2f}")
+
+    tps = sampling_part(args.model)
+    workers = {}
+    try:
+        for kind, extra in (("solo", []), ("shared", []), ("unbatched", ["--no-batching"])):
+            address = str(out / f"{kind}.sock")
+            workers[kind] = (address, start_worker(args.model, address, device=DEVICE, dtype="float32",
+                                                   extra=["--threads", str(args.threads), *extra],
+                                                   log=out / f"{kind}.log"))
+        solo, solo_tokens, solo_wall = {}, 0.0, 0.0
+        for s in seeds:  # each experiment alone on its worker (the previous one's adapter is dropped)
+            r, tokens, wall = run_experiments(workers["solo"][0], args.model, [s], args.iterations, out)
+            solo.update(r)
+            solo_tokens, solo_wall = solo_tokens + tokens, solo_wall + wall
+        solo_rss = worker_stats(workers["solo"][0])["peak_rss_mb"]
+        shared, shared_tokens, shared_wall = run_experiments(workers["shared"][0], args.model, seeds,
+                                                             args.iterations, out)
+        shared_rss = worker_stats(workers["shared"][0])["peak_rss_mb"]
+        unbatched, _, unbatched_wall = run_experiments(workers["unbatched"][0], args.model, seeds, args.iterations, out)
+    finally:
+        for _, proc in workers.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=60)
+    separate_rss = separate_processes(args.model, out)
+
+    solo_tps, shared_tps = solo_tokens / solo_wall, shared_tokens / shared_wall
+    identical = all(close_enough(shared[s], solo[s]) for s in seeds)
+    exact = all(unbatched[s] == solo[s] for s in seeds)
+    rows = [("sampling: 4 adapters x 4 rows, mixed batch", f"{tps['mixed']:.1f} tok/s"),
+            ("sampling: 1 adapter x 16 rows (merged)", f"{tps['single']:.1f} tok/s"),
+            ("sampling: PEFT adapter_names + generate", f"{tps['peft']:.1f} tok/s"),
+            ("worker, 1 experiment at a time: peak RSS", f"{solo_rss:.0f} MB"),
+            ("worker, 4 experiments at once: peak RSS", f"{shared_rss:.0f} MB"),
+            ("4 separate processes: peak RSS summed", f"{separate_rss:.0f} MB"),
+            ("1 experiment alone: tokens/s (sampled+trained)", f"{solo_tps:.1f}"),
+            ("4 experiments at once, batched: tokens/s", f"{shared_tps:.1f}"),
+            ("4 experiments at once, unbatched: wall s", f"{unbatched_wall:.1f}"),
+            ("metrics vs solo (batched, 1e-4)", str(identical)), ("metrics vs solo (unbatched, exact)", str(exact))]
+    width = max(len(r[0]) for r in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    print(json.dumps({"memory_ratio": round(shared_rss / solo_rss, 3),
+                      "sampling_ratio": round(tps["mixed"] / tps["single"], 3),
+                      "peft_sampling_ratio": round(tps["peft"] / tps["single"], 3),
+                      "aggregate_ratio": round(shared_tps / solo_tps, 3), "identical": identical,
+                      "identical_exact_unbatched": exact,
+                      "separate_processes_memory_ratio": round(separate_rss / solo_rss, 3),
+                      "model": args.model, "iterations": args.iterations,
+                      "load_avg_end": round(os.getloadavg()[0], 2)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

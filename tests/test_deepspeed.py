@@ -12,7 +12,7 @@ Tolerances, and why (measured values on 2 ranks in brackets):
   consolidated from the ZeRO partitions into `optimizer.pt`, within 1e-5 of its largest element
   [<= 2.9e-6, mostly the clip coefficient 1 / grad_norm].
 - parameters after a step: 1e-6 absolute (~8 float32 ulps at |p| ~ 1, 1e-4 of a step of lr 1e-2)
-  wherever the RMS gradient is >= 1e-5 (~90% of the elements at step 1, ~97% at step 2)
+  wherever the RMS gradient is >= 1e-5 (~90% of the elements at step 1, ~94% at step 2)
   [<= 2.3e-7]. Below that Adam's lr * m / (sqrt(v) + eps) magnifies the ~1e-9 rounding noise of
   the gradient: up to 2 lr where g ~ 0 [3.5e-4 at most over all elements]; those elements are
   covered by the gradient check above.

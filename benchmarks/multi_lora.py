@@ -9,8 +9,8 @@ Parts (all on this machine, fp32 CPU unless the model's device says otherwise):
 - a worker with 1 experiment vs a worker with 4 experiments (different seeds) running their RL
   iterations concurrently (one client thread each): peak RSS of each worker, aggregate tokens/s
   (sampled plus trained), and each experiment's per-iteration metrics against its solo run (with
-  batching on: within 1e-4 on losses and logprob-derived figures; a third worker with batching
-  off must match exactly).
+  batching on: within 1e-4 relative; on a third worker with batching off, the 4 concurrent
+  experiments must equal their solo runs on that worker exactly).
 - the same 4 experiments as 4 separate in-process trainers (4 processes), peak RSS summed, for reference.
 
 Last line: JSON with memory_ratio, sampling_ratio, peft_sampling_ratio, aggregate_ratio, identical,
@@ -98,6 +98,16 @@ def worker_stats(address: str) -> dict:
 def close_enough(a: list[dict], b: list[dict], tol: float = 1e-4) -> bool:
     return all(x.keys() == y.keys() and all(abs(x[k] - y[k]) <= tol * max(1.0, abs(y[k])) for k in x)
                for x, y in zip(a, b, strict=True))
+
+
+def differences(a: list[dict], b: list[dict]) -> list[str]:
+    """'iteration: metric a vs b' for every metric further apart than close_enough allows."""
+    out = []
+    for i, (x, y) in enumerate(zip(a, b)):
+        for k in sorted(set(x) | set(y)):
+            if k not in x or k not in y or abs(x[k] - y[k]) > 1e-4 * max(1.0, abs(y[k])):
+                out.append(f"{i}: {k} {x.get(k)} vs {y.get(k)}")
+    return out
 
 
 def sampling_part(model_name: str, rows: int = 16, tokens: int = 32, reps: int = 3) -> dict:
@@ -201,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         shared, shared_tokens, shared_wall = run_experiments(workers["shared"][0], args.model, seeds,
                                                              args.iterations, out)
         shared_rss = worker_stats(workers["shared"][0])["peak_rss_mb"]
+        solo_unbatched = {}
+        for s in seeds:  # the exact reference: each alone on the batching-off worker
+            solo_unbatched.update(run_experiments(workers["unbatched"][0], args.model, [s], args.iterations, out)[0])
         unbatched, _, unbatched_wall = run_experiments(workers["unbatched"][0], args.model, seeds, args.iterations, out)
     finally:
         for _, proc in workers.values():
@@ -211,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
 
     solo_tps, shared_tps = solo_tokens / solo_wall, shared_tokens / shared_wall
     identical = all(close_enough(shared[s], solo[s]) for s in seeds)
-    exact = all(unbatched[s] == solo[s] for s in seeds)
+    for s in seeds:
+        for line in differences(shared[s], solo[s])[:6]:
+            print(f"  experiment {s}, iteration {line}")
+    exact = all(unbatched[s] == solo_unbatched[s] for s in seeds)
     rows = [("sampling: 4 adapters x 4 rows, mixed batch", f"{tps['mixed']:.1f} tok/s"),
             ("sampling: 1 adapter x 16 rows (merged)", f"{tps['single']:.1f} tok/s"),
             ("sampling: PEFT adapter_names + generate", f"{tps['peft']:.1f} tok/s"),

@@ -54,6 +54,18 @@ def resident(experiment: str) -> Experiment | None:
     return entry.exp if entry else None
 
 
+def _listening(address: str) -> bool:
+    """Whether a worker answers at `address`."""
+    from tinker_pipelines.worker import WorkerError
+    from tinker_pipelines.worker.client import WorkerClient
+
+    try:
+        WorkerClient(address).close()
+        return True
+    except WorkerError:
+        return False
+
+
 class PolicyEngine(dg.ConfigurableResource):
     """Loads and keeps experiments resident (base model + learner) across steps and runs."""
 
@@ -82,7 +94,7 @@ class PolicyEngine(dg.ConfigurableResource):
 
             address = str(default_socket(base_identity(model, {} if base else m.kwargs, seed),
                                          str(resolve_device(m.device))).resolve())
-        if self.start_worker and not Path(address).exists():
+        if self.start_worker and not _listening(address):  # none yet, or a dead one's stale socket
             import json
 
             from tinker_pipelines.worker.client import start_worker

@@ -132,6 +132,11 @@ def test_worker_refuses_bad_clients_and_bad_requests(tmp_path, worker):
         RemoteSampler(client, "exp").sample([[1] * 1020], 16)
     with pytest.raises(WorkerError, match="--max-rows"):
         RemoteSampler(client, "exp").sample([[1, 2]] * 300, 4)
+    from tinker_pipelines.types import Datum
+
+    long = Datum(tuple([1] * 1100), tuple([1] * 1100), tuple([1.0] * 1100), tuple([0.0] * 1100), tuple([1.0] * 1100))
+    with pytest.raises(WorkerError, match="exceeds the model context"):
+        client.request("forward_backward", "exp", adapter="exp", datums=[long], algorithm="grpo", loss_cfg={})
     # the worker still serves
     out = RemoteSampler(client, "exp").sample([[1, 2, 3]], 4, 0.0)
     assert len(out) == 1 and proc.poll() is None
@@ -185,10 +190,23 @@ def test_killed_worker_is_a_clear_error_and_a_new_one_resumes_bit_exactly(tmp_pa
     exp.save(tmp_path / "crash/ckpt0", m0)
     ro = exp.rollout(1)
     datums = exp.score(ro.groups)
+    import threading
+
+    failure = []
+
+    def update():
+        try:
+            exp.learner.forward_backward(datums * 8, exp.algorithm.loss, exp.loss_cfg)
+        except WorkerDiedError as e:
+            failure.append(e)
+
+    call = threading.Thread(target=update)
+    call.start()
+    time.sleep(0.05)  # the request is on its way or being computed
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    with pytest.raises(WorkerDiedError, match="forward_backward of experiment 'crash'"):
-        exp.learner.forward_backward(datums, exp.algorithm.loss, exp.loss_cfg)
+    call.join(timeout=30)
+    assert failure and "forward_backward of experiment 'crash'" in str(failure[0])
     address2, _ = worker()
     exp2 = Experiment(cfg, worker=str(address2))
     exp2.resume(tmp_path / "crash/ckpt0")

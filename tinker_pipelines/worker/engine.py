@@ -176,6 +176,10 @@ class Engine:
                 datums = c["datums"]
                 if not datums or not all(isinstance(d, Datum) for d in datums):
                     raise RequestError("forward_backward needs a non-empty list of Datum")
+                longest = max(len(d.input_tokens) for d in datums)
+                if self.sampler.max_context is not None and longest > self.sampler.max_context:
+                    raise RequestError(f"a datum of {longest} tokens exceeds the model context of "
+                                       f"{self.sampler.max_context} tokens")
                 loss_fn = get_algorithm(c["algorithm"]).loss
                 jobs.append((i, FBJob(h.learner, datums, loss_fn, LossConfig(**c["loss_cfg"]))))
             except (RequestError, ValueError, KeyError, TypeError) as e:

@@ -1,0 +1,134 @@
+"""`gpu_executor`: Dagster's step-delegating executor with a step handler that places steps on devices.
+
+Each step declares its needs in op tags (`tinker/devices`, `tinker/memory_gb`, `tinker/sharing`:
+see `placement.needs_from_tags`); a step without them needs no device. The handler launches every
+step as its own process through `step_entry`, which takes a lease from the ledger shared by all
+runs on this instance (a sqlite file beside it), so two runs never hold a device together beyond
+its capacity; the lease dies with the step process. Dagster's `StepDelegatingExecutor` brings
+the rest: retries (op retry policies, `retries` config), step health checks, termination and
+resuming a failed run. A request that can never fit fails its step at once.
+
+A run whose config trains every parameter (`training.mode: full`, or the `sft` job) asks for its
+devices `exclusive` even where the asset says `lora`: a full-parameter step never shares a device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import dagster as dg
+from dagster._core.events import DagsterEvent
+from dagster._core.execution.retries import RetryMode, get_retries_config
+from dagster._core.executor.step_delegating import (CheckStepHealthResult, StepDelegatingExecutor, StepHandler,
+                                                    StepHandlerContext)
+
+from tinker_pipelines.scheduler.inventory import Inventory
+from tinker_pipelines.scheduler.placement import StepNeeds, check_fits, needs_from_tags
+from tinker_pipelines.scheduler.step_entry import NEVER_FITS_EXIT
+
+LEDGER_FILE = "tinker_devices.sqlite"
+"""The device ledger's file name, in the Dagster instance's root directory by default."""
+
+
+def step_needs(tags: dict[str, str], run_config: dict[str, Any]) -> StepNeeds | None:
+    """The step's needs from its op tags, made exclusive when the run trains every parameter."""
+    needs = needs_from_tags(tags)
+    if needs is not None and needs.sharing == "lora" and _trains_all_parameters(run_config):
+        return StepNeeds(needs.devices, needs.memory_gb, "exclusive")
+    return needs
+
+
+def _trains_all_parameters(config: Any) -> bool:
+    """Whether any `training` section of the run config has `mode: full`."""
+    if isinstance(config, dict):
+        training = config.get("training")
+        if isinstance(training, dict) and training.get("mode") == "full":
+            return True
+        return any(_trains_all_parameters(v) for v in config.values())
+    return False
+
+
+class DeviceStepHandler(StepHandler):
+    """Launches each step as a process that first takes its devices from the ledger."""
+
+    def __init__(self, inventory_config: dict[str, Any] | None, ledger_path: str, timeout_s: float | None,
+                 poll_s: float = 0.2):
+        self.inventory_config, self.ledger_path = inventory_config, ledger_path
+        self.inventory = Inventory.detect() if inventory_config is None else Inventory.from_config(inventory_config)
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self._procs: dict[tuple[str, str], subprocess.Popen] = {}
+
+    @property
+    def name(self) -> str:
+        return "DeviceStepHandler"
+
+    def _key(self, ctx: StepHandlerContext) -> tuple[str, str]:
+        (step_key,) = ctx.execute_step_args.step_keys_to_execute
+        return ctx.execute_step_args.run_id, step_key
+
+    def launch_step(self, ctx: StepHandlerContext) -> Iterator[DagsterEvent]:
+        run_id, step_key = self._key(ctx)
+        needs = step_needs(dict(ctx.step_tags[step_key]), ctx.dagster_run.run_config or {})
+        if needs is not None:
+            check_fits(needs, self.inventory)  # never waits forever: a step that cannot fit fails now
+        spec = None if needs is None else {"devices": needs.devices, "memory_gb": needs.memory_gb,
+                                           "sharing": needs.sharing, "timeout_s": self.timeout_s,
+                                           "poll_s": self.poll_s}
+        command = [sys.executable, "-m", "tinker_pipelines.scheduler.step_entry", self.ledger_path,
+                   json.dumps(self.inventory_config), json.dumps(spec), run_id, step_key, "--",
+                   *ctx.execute_step_args.get_command_args()]
+        self._procs[(run_id, step_key)] = subprocess.Popen(command, start_new_session=True)
+        yield DagsterEvent.step_worker_starting(
+            ctx.get_step_context(step_key), f"Launching step {step_key} needing {needs or 'no device'}",
+            metadata={"needs": dg.MetadataValue.text(str(needs or "none"))})
+
+    def check_step_health(self, ctx: StepHandlerContext) -> CheckStepHealthResult:
+        proc = self._procs.get(self._key(ctx))
+        if proc is None or proc.poll() is None or proc.returncode == 0:
+            return CheckStepHealthResult.healthy()
+        if proc.returncode == NEVER_FITS_EXIT:
+            return CheckStepHealthResult.unhealthy("its devices could not be granted (see the step's stderr)")
+        return CheckStepHealthResult.unhealthy(f"the step process exited with code {proc.returncode}")
+
+    def terminate_step(self, ctx: StepHandlerContext) -> Iterator[DagsterEvent]:
+        proc = self._procs.get(self._key(ctx))
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        yield from ()
+
+
+@dg.executor(
+    name="gpu_executor",
+    config_schema={
+        "inventory": dg.Field(dg.Permissive(), is_required=False,
+                              description="A simulated inventory ({count, memory_gb} or {devices: [...]}); "
+                                          "absent: the real CUDA devices (or the CPU as one device)."),
+        "ledger_path": dg.Field(str, is_required=False,
+                                description="The device ledger shared by all runs (default: beside the instance)."),
+        "acquire_timeout_s": dg.Field(float, is_required=False,
+                                      description="Fail a step that waited this long for devices (default: wait)."),
+        "max_concurrent": dg.Field(int, is_required=False, description="Most step processes of one run at once."),
+        "retries": get_retries_config(),
+    },
+    requirements=dg.multiple_process_executor_requirements(),
+)
+def gpu_executor(init_context: dg.InitExecutorContext) -> StepDelegatingExecutor:
+    cfg = init_context.executor_config
+    try:
+        inventory = cfg.get("inventory")
+        if inventory is not None:
+            Inventory.from_config(inventory, field="gpu_executor.inventory")
+    except ValueError as e:
+        raise dg.DagsterInvalidConfigError(str(e), [], inventory) from None
+    ledger = cfg.get("ledger_path") or str(Path(init_context.instance.root_directory) / LEDGER_FILE)
+    handler = DeviceStepHandler(inventory, ledger, cfg.get("acquire_timeout_s"))
+    return StepDelegatingExecutor(handler, retries=RetryMode.from_config(cfg["retries"]),
+                                  max_concurrent=cfg.get("max_concurrent"), check_step_health_interval_seconds=1,
+                                  sleep_seconds=0.1)
+

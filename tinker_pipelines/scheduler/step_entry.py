@@ -1,0 +1,52 @@
+"""A step process that first takes its devices: `python -m tinker_pipelines.scheduler.step_entry`.
+
+The GPU-aware step handler launches this instead of `dagster api execute_step`. It acquires a
+lease from the shared ledger *as itself*, sets `CUDA_VISIBLE_DEVICES` (real CUDA inventories)
+and `TINKER_LEASE_DEVICES`, then replaces itself (`exec`, the same pid) with the Dagster step
+command. The lease is therefore owned by the step process for its whole life and expires the
+moment it exits, however it exits (a kill -9 included): nothing has to remember to release it.
+
+Arguments: LEDGER_PATH INVENTORY_JSON NEEDS_JSON RUN_ID STEP_KEY -- COMMAND...
+Exit code 3 (before the step starts) when the request can never fit or times out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from tinker_pipelines.scheduler.inventory import Inventory
+from tinker_pipelines.scheduler.ledger import Ledger, LeaseOwner
+from tinker_pipelines.scheduler.placement import StepNeeds
+
+NEVER_FITS_EXIT = 3
+
+
+def main(argv: list[str]) -> int:
+    sep = argv.index("--")
+    ledger_path, inventory_json, needs_json, run_id, step_key = argv[:sep]
+    command = argv[sep + 1:]
+    spec_inventory = json.loads(inventory_json)  # the executor's inventory config, or null: detect
+    inventory = Inventory.detect() if spec_inventory is None else Inventory.from_config(spec_inventory)
+    spec = json.loads(needs_json)
+    env = dict(os.environ)
+    if spec is not None:
+        needs = StepNeeds(**{k: spec[k] for k in ("devices", "memory_gb", "sharing")})
+        try:
+            lease = Ledger(ledger_path).acquire(LeaseOwner.current(run_id, step_key), needs, inventory,
+                                                timeout_s=spec.get("timeout_s"), poll_s=spec.get("poll_s", 0.5))
+        except (ValueError, TimeoutError) as e:
+            print(f"error: step {step_key} of run {run_id}: {e}", file=sys.stderr, flush=True)
+            return NEVER_FITS_EXIT
+        env["TINKER_LEASE_DEVICES"] = ",".join(map(str, lease.devices))
+        env["TINKER_LEASE_ID"] = str(lease.id)
+        if all(inventory[i].kind == "cuda" for i in lease.devices):
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(inventory[i].index) for i in lease.devices)
+    sys.stdout.flush()
+    os.execvpe(command[0], command, env)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

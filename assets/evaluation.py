@@ -12,6 +12,7 @@ from assets.run_config import EvaluateConfig
 from resources import ArtifactStoreResource, MLflowResource
 from tinker_pipelines.checkpoint import read_record
 from tinker_pipelines.config import config_from_dict
+from tinker_pipelines.schedule_rules import DEVICE_POOL, LOADS_MODEL_TAG
 from tinker_pipelines.train import Experiment
 
 CHAMPION = "champion"
@@ -29,7 +30,7 @@ def _resolve(tracker, name: str, version: str):
     return mv
 
 
-@dg.op(tags={"kind": "mlflow"})
+@dg.op(tags={"kind": "mlflow"}, pool=DEVICE_POOL)
 def evaluate_adapter(context: dg.OpExecutionContext, config: EvaluateConfig, mlflow: MLflowResource,
                      artifact_store: ArtifactStoreResource) -> dict:
     """Load base model + the version's checkpoint, evaluate greedily, tag the version, maybe promote."""
@@ -68,6 +69,6 @@ def evaluate_adapter(context: dg.OpExecutionContext, config: EvaluateConfig, mlf
 
 
 @dg.job(description="Evaluate a registered adapter version; promote it to `champion` when better.",
-        executor_def=dg.in_process_executor)
+        executor_def=dg.in_process_executor, tags={LOADS_MODEL_TAG: "true"})
 def evaluate():
     evaluate_adapter()

@@ -9,21 +9,28 @@ from assets.evaluation import evaluate
 from assets.partitions import EXPERIMENTS, ITERATIONS
 from assets.sft import sft_checkpoint
 from assets.training import RL_ASSETS
+from tinker_pipelines.schedule_rules import LOADS_MODEL_TAG
+
+MODEL_RUN = {LOADS_MODEL_TAG: "true"}
+"""Tag of every job here (and `evaluate`), and so of their runs (`tags`, not `run_tags`: `dagster
+job launch` copies only the former): the run process loads a model, so the run queue admits one
+such run per device (docs/runtime.md "Run queue")."""
 
 rl = dg.define_asset_job(
     "rl", selection=dg.AssetSelection.assets(*RL_ASSETS),
     executor_def=dg.in_process_executor,  # the steps share the resident model (see docs/runtime.md)
+    tags=MODEL_RUN,
     description="One RL iteration of an experiment: rollouts, scoring, an optimizer step, a registered "
                 "adapter version, and evaluation when due. Config under ops.rollout_batch.config.")
 
 sft = dg.define_asset_job(
     "sft", selection=dg.AssetSelection.assets(sft_checkpoint),
-    executor_def=dg.in_process_executor,
+    executor_def=dg.in_process_executor, tags=MODEL_RUN,
     description="Supervised warm start of an experiment's base model (partition = experiment name).")
 
 dpo = dg.define_asset_job(
     "dpo", selection=dg.AssetSelection.assets(*DPO_ASSETS),
-    executor_def=dg.in_process_executor,
+    executor_def=dg.in_process_executor, tags=MODEL_RUN,
     description="DPO of an experiment (partition = experiment name; run `sft` first when sft.steps > 0): "
                 "preference pairs from scored rollouts, DPO steps, a registered and evaluated adapter version. "
                 "Config under ops.preference_pairs.config.")

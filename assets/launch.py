@@ -1,5 +1,11 @@
 """Run iterations of an experiment through Dagster from Python, one run per iteration, in this
-process: `execute_job` on a real instance, so the resident model is reused between runs."""
+process: `execute_job` on a real instance, so the resident model is reused between runs.
+
+These runs bypass the instance's run queue (`execute_job` launches nothing); their steps still
+take slots of the `tinker_device` pool. The run-config helpers live in `assets.run_config`
+(re-exported here); this module is the only one in `assets/` that imports the composition root,
+lazily, and nothing imports this one.
+"""
 
 from __future__ import annotations
 
@@ -8,24 +14,10 @@ from typing import Any
 import dagster as dg
 
 from assets.partitions import ITERATIONS, ensure_partition, iteration_key
+from assets.run_config import eval_due, iteration_assets, rl_run_config, total_iterations
+from tinker_pipelines.schedule_rules import EXPERIMENT_TAG
 
-
-def rl_run_config(config: dict[str, Any], auto_continue: bool = False) -> dict[str, Any]:
-    """Run config of the `rl` job from a library-style config dict (plus check bounds)."""
-    return {"ops": {"rollout_batch": {"config": {**config, "auto_continue": auto_continue}}}}
-
-
-def eval_due(config: dict[str, Any], iteration: int) -> bool:
-    """Whether iteration k evaluates (every `eval.every` and after the last), as `eval_report` decides."""
-    every = int(config.get("eval", {}).get("every", 5))
-    total = int(config.get("training", {}).get("iterations", 10))
-    return (iteration + 1) % every == 0 or iteration + 1 == total
-
-
-def iteration_assets(config: dict[str, Any], iteration: int) -> list[dg.AssetKey]:
-    """The assets a run of iteration k needs: `eval_report` only when due (one step less per run)."""
-    names = ["rollout_batch", "scored_trajectories", "adapter_checkpoint"]
-    return [dg.AssetKey(n) for n in names + (["eval_report"] if eval_due(config, iteration) else [])]
+__all__ = ["eval_due", "iteration_assets", "main", "rl_run_config", "run_iterations", "run_sft"]
 
 
 def run_iterations(instance: dg.DagsterInstance, experiment: str, config: dict[str, Any],
@@ -37,14 +29,15 @@ def run_iterations(instance: dg.DagsterInstance, experiment: str, config: dict[s
     the next iteration when a daemon runs against the same instance."""
     from tinker_pipelines.definitions import rl_job
 
-    stop = stop if stop is not None else int(config.get("training", {}).get("iterations", 10))
+    stop = stop if stop is not None else total_iterations(config)
     job = dg.reconstructable(rl_job)
     run_config = rl_run_config(config, auto_continue)
     results = []
     for k in range(start, stop):
         key = iteration_key(experiment, k)
         ensure_partition(instance, ITERATIONS, key)
-        with dg.execute_job(job, instance, run_config=run_config, tags={"dagster/partition": key},
+        tags = {"dagster/partition": key, EXPERIMENT_TAG: experiment}
+        with dg.execute_job(job, instance, run_config=run_config, tags=tags,
                             asset_selection=iteration_assets(config, k), raise_on_error=raise_on_error) as result:
             results.append(result.success)
         if not results[-1]:
@@ -61,7 +54,8 @@ def run_sft(instance: dg.DagsterInstance, experiment: str, config: dict[str, Any
     ensure_partition(instance, EXPERIMENTS, experiment)
     run_config = {"ops": {"sft_checkpoint": {"config": config}}}
     with dg.execute_job(dg.reconstructable(sft_job), instance, run_config=run_config,
-                        tags={"dagster/partition": experiment}, raise_on_error=True) as result:
+                        tags={"dagster/partition": experiment, EXPERIMENT_TAG: experiment},
+                        raise_on_error=True) as result:
         return result.success
 
 

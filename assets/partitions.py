@@ -50,6 +50,19 @@ def parse_iteration_key(key: str) -> tuple[str, int]:
     return check_experiment(name), int(it)
 
 
+def experiment_of(partition_key: str) -> str | None:
+    """The experiment a partition key names: `'demo:3'` (an iteration) or `'demo'` (an
+    experiment) -> `'demo'`; None for keys of neither form.
+
+    >>> experiment_of("demo:3"), experiment_of("demo"), experiment_of("a|b")
+    ('demo', 'demo', None)
+    """
+    try:
+        return parse_iteration_key(partition_key)[0] if ":" in partition_key else check_experiment(partition_key)
+    except ValueError:
+        return None
+
+
 def store_key(experiment: str, iteration: int, what: str) -> str:
     """Artifact store key of one iteration's artifact (`demo/00003/adapter`)."""
     return f"{experiment}/{iteration:05d}/{what}"

@@ -1,9 +1,13 @@
-"""Typed run config for the jobs, generated from the library's config dataclasses.
+"""Typed run config for the jobs, generated from the library's config dataclasses, and the
+helpers that build and read run configs (the launcher and the sensors both use them).
 
 Every field keeps the library's default and its docstring as the Dagster description, so the
 Launchpad documents each field and the two never drift. Dagster rejects unknown or mistyped
 fields at launch; `to_library_config` then runs the library's own validation (ranges, names),
 which raises `ConfigError` naming the field — both before any model loads.
+
+This module imports no other module of `assets/` (and nothing imports the composition root), so
+`launch`, `sensors` and the asset modules can all import it without a cycle.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ import dagster as dg
 from pydantic import Field, create_model
 
 from tinker_pipelines import config as lib
+from tinker_pipelines.schedule_rules import eval_due as _eval_due
+
+_DEFAULTS = lib.Config()
+"""The library's defaults: what a run config dict means where it leaves a field out."""
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -73,3 +81,50 @@ class EvaluateConfig(dg.Config):
     version: str = Field(default="", description="Version number or alias ('champion'); '' = the latest version.")
     num_tasks: int = Field(default=0, description="Held-out tasks; 0 = the experiment's eval.num_tasks.")
     promote: bool = Field(default=True, description="Move the alias `champion` here when it beats the current champion.")
+
+
+def setting(config: dict[str, Any], section: str, name: str) -> Any:
+    """`config[section][name]` of a library-style config dict, else the library's default.
+
+    >>> setting({"training": {"iterations": 3}}, "training", "iterations"), setting({}, "eval", "every")
+    (3, 5)
+    """
+    value = (config.get(section) or {}).get(name)
+    return getattr(getattr(_DEFAULTS, section), name) if value is None else value
+
+
+def total_iterations(config: dict[str, Any]) -> int:
+    """`training.iterations` of a config dict (the library default when absent)."""
+    return int(setting(config, "training", "iterations"))
+
+
+def rl_run_config(config: dict[str, Any], auto_continue: bool = False) -> dict[str, Any]:
+    """Run config of the `rl` job from a library-style config dict (plus check bounds)."""
+    return {"ops": {"rollout_batch": {"config": {**config, "auto_continue": auto_continue}}}}
+
+
+def rl_config_of(run_config: dict[str, Any]) -> dict[str, Any]:
+    """The library-style config dict inside an `rl` run config (inverse of `rl_run_config`)."""
+    return (((run_config or {}).get("ops") or {}).get("rollout_batch") or {}).get("config") or {}
+
+
+def auto_continue(config: dict[str, Any]) -> bool:
+    """`auto_continue` of an `rl` config dict (RLConfig's default when absent)."""
+    value = config.get("auto_continue")
+    return bool(RLConfig.model_fields["auto_continue"].default if value is None else value)
+
+
+def eval_due(config: dict[str, Any], iteration: int) -> bool:
+    """Whether iteration k of a config dict evaluates: the library's rule
+    (`tinker_pipelines.schedule_rules.eval_due`) on `eval.every` and `training.iterations`."""
+    return _eval_due(iteration, int(setting(config, "eval", "every")), total_iterations(config))
+
+
+RL_STEPS = ("rollout_batch", "scored_trajectories", "adapter_checkpoint")
+"""The assets of every `rl` run; `eval_report` is added when evaluation is due."""
+
+
+def iteration_assets(config: dict[str, Any], iteration: int) -> list[dg.AssetKey]:
+    """The assets a run of iteration k needs: `eval_report` only when due (one step less per run)."""
+    names = list(RL_STEPS) + (["eval_report"] if eval_due(config, iteration) else [])
+    return [dg.AssetKey(n) for n in names]

@@ -7,10 +7,11 @@ import dagster as dg
 
 from assets.evaluation import CHAMPION, evaluate
 from assets.jobs import rl
-from assets.launch import iteration_assets
 from assets.lineage import ADAPTER
 from assets.partitions import ITERATIONS, iteration_key, parse_iteration_key
+from assets.run_config import auto_continue, iteration_assets, rl_config_of, total_iterations
 from resources import MLflowResource
+from tinker_pipelines.schedule_rules import EXPERIMENT_TAG
 
 
 @dg.sensor(job=rl, minimum_interval_seconds=10, default_status=dg.DefaultSensorStatus.RUNNING)
@@ -27,11 +28,11 @@ def continue_training(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         run = context.instance.get_run_by_id(rec.run_id) if partition else None
         if run is None:
             continue
-        cfg = run.run_config.get("ops", {}).get("rollout_batch", {}).get("config", {})
-        if not cfg.get("auto_continue", True):
+        cfg = rl_config_of(run.run_config)
+        if not auto_continue(cfg):
             continue
         name, k = parse_iteration_key(partition)
-        total = int(cfg.get("training", {}).get("iterations", 10))
+        total = total_iterations(cfg)
         nxt = iteration_key(name, k + 1)
         if k + 1 >= total or context.instance.get_run_ids(dg.RunsFilter(tags={"dagster/partition": nxt}), limit=1):
             continue
@@ -39,7 +40,7 @@ def continue_training(context: dg.SensorEvaluationContext) -> dg.SensorResult:
             new_keys.append(nxt)
         requests.append(dg.RunRequest(run_key=nxt, partition_key=nxt, run_config=run.run_config,
                                       asset_selection=iteration_assets(cfg, k + 1),
-                                      tags={"tinker/experiment": name, "tinker/previous_run": rec.run_id}))
+                                      tags={EXPERIMENT_TAG: name, "tinker/previous_run": rec.run_id}))
     return dg.SensorResult(run_requests=requests, cursor=str(cursor),
                            dynamic_partitions_requests=[ITERATIONS.build_add_request(new_keys)] if new_keys else [])
 

@@ -3,7 +3,9 @@
 rollout_batch -> scored_trajectories -> adapter_checkpoint (-> eval_report when due).
 
 Bodies call the library (`Experiment.rollout / train_step / save / evaluate`); artifacts go to
-the artifact store and only their URIs and small numbers go into the metadata.
+the artifact store and only their URIs and small numbers go into the metadata. Every step loads or
+uses the policy, so each takes a slot of the `tinker_device` pool while it runs (docs/runtime.md
+"Run queue").
 """
 
 
@@ -18,6 +20,7 @@ from assets.partitions import (ITERATIONS, ensure_partition, iteration_key, pars
                                uri_value)
 from assets.run_config import RLConfig
 from resources import ArtifactStoreResource, MLflowResource, PolicyEngine
+from tinker_pipelines.schedule_rules import DEVICE_POOL, eval_due
 from tinker_pipelines.tracking import registered_model_name
 from tinker_pipelines.tracking.mlflow_tracker import learning_curve_png
 from tinker_pipelines.tracking.store import dumps, loads
@@ -74,7 +77,7 @@ class _Step:
         return round(time.perf_counter() - self.start, 4)
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name=GROUP, kinds={"pytorch"},
+@dg.asset(partitions_def=ITERATIONS, group_name=GROUP, kinds={"pytorch"}, pool=DEVICE_POOL,
           check_specs=[dg.AssetCheckSpec(checks.REWARDS_FINITE, asset="rollout_batch", blocking=True,
                                          description="Every episode's reward is finite.")])
 def rollout_batch(context: dg.AssetExecutionContext, config: RLConfig, policy_engine: PolicyEngine,
@@ -100,7 +103,7 @@ def rollout_batch(context: dg.AssetExecutionContext, config: RLConfig, policy_en
         check_results=[checks.rewards_finite(ro.groups)])
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name=GROUP, deps=[rollout_batch], kinds={"python"})
+@dg.asset(partitions_def=ITERATIONS, group_name=GROUP, deps=[rollout_batch], kinds={"python"}, pool=DEVICE_POOL)
 def scored_trajectories(context: dg.AssetExecutionContext, policy_engine: PolicyEngine,
                         artifact_store: ArtifactStoreResource, mlflow: MLflowResource) -> dg.MaterializeResult:
     """Training datums with advantages (`Experiment.score`: the algorithm's group estimator, or the
@@ -118,6 +121,7 @@ def scored_trajectories(context: dg.AssetExecutionContext, policy_engine: Policy
 
 
 @dg.asset(partitions_def=ITERATIONS, group_name=GROUP, deps=[scored_trajectories], kinds={"pytorch", "mlflow"},
+          pool=DEVICE_POOL,
           check_specs=[dg.AssetCheckSpec(checks.KL_WITHIN_BOUND, asset="adapter_checkpoint",
                                          description="KL to the reference policy within the configured bound."),
                        dg.AssetCheckSpec(checks.ADAPTER_LOADS, asset="adapter_checkpoint",
@@ -159,7 +163,8 @@ def adapter_checkpoint(context: dg.AssetExecutionContext, policy_engine: PolicyE
 
 
 @dg.multi_asset(
-    name="eval_report", partitions_def=ITERATIONS, can_subset=True,  # can_subset: may skip check and asset
+    name="eval_report", partitions_def=ITERATIONS, pool=DEVICE_POOL,
+    can_subset=True,  # can_subset: may skip check and asset
     specs=[dg.AssetSpec("eval_report", deps=[adapter_checkpoint], skippable=True, group_name=GROUP, kinds={"mlflow"},
                         description="Held-out evaluation every eval.every iterations and after the last.")],
     check_specs=[dg.AssetCheckSpec(checks.NOT_WORSE_THAN_CHAMPION, asset="eval_report",
@@ -169,7 +174,7 @@ def eval_report(context: dg.AssetExecutionContext, policy_engine: PolicyEngine,
     """Held-out evaluation every `eval.every` iterations and after the last; learning curve PNG."""
     step = _Step(context, policy_engine, artifact_store, mlflow)
     name, k, cfg = step.name, step.k, step.cfg
-    if (k + 1) % cfg.eval.every and k + 1 != cfg.training.iterations:
+    if not eval_due(k, cfg.eval.every, cfg.training.iterations):
         context.log.info(f"iteration {k}: evaluation not due (every {cfg.eval.every})")
         return
     exp = step.experiment(at=k + 1)

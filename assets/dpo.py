@@ -22,7 +22,7 @@ from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.config import Config
 from tinker_pipelines.dpo import pair_metrics, preference_pairs as sample_pairs, run_dpo
 from tinker_pipelines.preferences import summarize_pairs
-from tinker_pipelines.schedule_rules import DEVICE_POOL
+from tinker_pipelines.schedule_rules import DEVICE_POOL, LORA_STEP_TAGS
 from tinker_pipelines.tracking import registered_model_name
 from tinker_pipelines.tracking.store import dumps, loads
 from tinker_pipelines.train import Experiment
@@ -51,7 +51,7 @@ def _experiment(cfg: Config, store, name: str) -> Experiment:
     return exp
 
 
-@dg.asset(partitions_def=EXPERIMENTS, group_name=GROUP, deps=[sft_checkpoint], kinds={"pytorch"}, pool=DEVICE_POOL)
+@dg.asset(partitions_def=EXPERIMENTS, group_name=GROUP, deps=[sft_checkpoint], kinds={"pytorch"}, pool=DEVICE_POOL, op_tags=LORA_STEP_TAGS)
 def preference_pairs(context: dg.AssetExecutionContext, config: DPOJobConfig,
                      artifact_store: ArtifactStoreResource) -> dg.MaterializeResult:
     """dpo.pairs (chosen, rejected) episode pairs: G replies per task from the starting policy,
@@ -79,7 +79,7 @@ def preference_pairs(context: dg.AssetExecutionContext, config: DPOJobConfig,
 
 
 @dg.asset(partitions_def=EXPERIMENTS, group_name=GROUP, deps=[preference_pairs], kinds={"pytorch", "mlflow"},
-          pool=DEVICE_POOL,
+          pool=DEVICE_POOL, op_tags=LORA_STEP_TAGS,
           check_specs=[dg.AssetCheckSpec(checks.ADAPTER_LOADS, asset="dpo_checkpoint",
                                          description="The written checkpoint loads and gives finite logits.")])
 def dpo_checkpoint(context: dg.AssetExecutionContext, artifact_store: ArtifactStoreResource,

@@ -12,7 +12,7 @@ from assets.run_config import EvaluateConfig
 from resources import ArtifactStoreResource, MLflowResource
 from tinker_pipelines.checkpoint import read_record
 from tinker_pipelines.config import config_from_dict
-from tinker_pipelines.schedule_rules import DEVICE_POOL, LOADS_MODEL_TAG
+from tinker_pipelines.schedule_rules import DEVICE_POOL, LOADS_MODEL_TAG, LORA_STEP_TAGS
 from tinker_pipelines.train import Experiment
 
 CHAMPION = "champion"
@@ -30,7 +30,7 @@ def _resolve(tracker, name: str, version: str):
     return mv
 
 
-@dg.op(tags={"kind": "mlflow"}, pool=DEVICE_POOL)
+@dg.op(tags={"kind": "mlflow", **LORA_STEP_TAGS}, pool=DEVICE_POOL)
 def evaluate_adapter(context: dg.OpExecutionContext, config: EvaluateConfig, mlflow: MLflowResource,
                      artifact_store: ArtifactStoreResource) -> dict:
     """Load base model + the version's checkpoint, evaluate greedily, tag the version, maybe promote."""

@@ -11,11 +11,11 @@ from assets.partitions import EXPERIMENTS, check_experiment, ensure_partition, u
 from assets.run_config import RLConfig
 from resources import ArtifactStoreResource, MLflowResource
 from tinker_pipelines.checkpoint import content_hash
-from tinker_pipelines.schedule_rules import DEVICE_POOL
+from tinker_pipelines.schedule_rules import DEVICE_POOL, EXCLUSIVE_STEP_TAGS
 from tinker_pipelines.train import Experiment
 
 
-@dg.asset(partitions_def=EXPERIMENTS, group_name="sft", kinds={"pytorch", "mlflow"}, pool=DEVICE_POOL)
+@dg.asset(partitions_def=EXPERIMENTS, group_name="sft", kinds={"pytorch", "mlflow"}, pool=DEVICE_POOL, op_tags=EXCLUSIVE_STEP_TAGS)
 def sft_checkpoint(context: dg.AssetExecutionContext, config: RLConfig, artifact_store: ArtifactStoreResource,
                    mlflow: MLflowResource) -> dg.MaterializeResult:
     """Full-parameter SFT of the base model on the env's demonstrations (sft.* of the config)."""

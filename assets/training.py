@@ -20,7 +20,7 @@ from assets.partitions import (ITERATIONS, ensure_partition, iteration_key, pars
                                uri_value)
 from assets.run_config import RLConfig
 from resources import ArtifactStoreResource, MLflowResource, PolicyEngine
-from tinker_pipelines.schedule_rules import DEVICE_POOL, eval_due
+from tinker_pipelines.schedule_rules import DEVICE_POOL, eval_due, LORA_STEP_TAGS
 from tinker_pipelines.tracking import registered_model_name
 from tinker_pipelines.tracking.mlflow_tracker import learning_curve_png
 from tinker_pipelines.tracking.store import dumps, loads
@@ -77,7 +77,7 @@ class _Step:
         return round(time.perf_counter() - self.start, 4)
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name=GROUP, kinds={"pytorch"}, pool=DEVICE_POOL,
+@dg.asset(partitions_def=ITERATIONS, group_name=GROUP, kinds={"pytorch"}, pool=DEVICE_POOL, op_tags=LORA_STEP_TAGS,
           check_specs=[dg.AssetCheckSpec(checks.REWARDS_FINITE, asset="rollout_batch", blocking=True,
                                          description="Every episode's reward is finite.")])
 def rollout_batch(context: dg.AssetExecutionContext, config: RLConfig, policy_engine: PolicyEngine,
@@ -103,7 +103,7 @@ def rollout_batch(context: dg.AssetExecutionContext, config: RLConfig, policy_en
         check_results=[checks.rewards_finite(ro.groups)])
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name=GROUP, deps=[rollout_batch], kinds={"python"}, pool=DEVICE_POOL)
+@dg.asset(partitions_def=ITERATIONS, group_name=GROUP, deps=[rollout_batch], kinds={"python"}, pool=DEVICE_POOL, op_tags=LORA_STEP_TAGS)
 def scored_trajectories(context: dg.AssetExecutionContext, policy_engine: PolicyEngine,
                         artifact_store: ArtifactStoreResource, mlflow: MLflowResource) -> dg.MaterializeResult:
     """Training datums with advantages (`Experiment.score`: the algorithm's group estimator, or the
@@ -121,7 +121,7 @@ def scored_trajectories(context: dg.AssetExecutionContext, policy_engine: Policy
 
 
 @dg.asset(partitions_def=ITERATIONS, group_name=GROUP, deps=[scored_trajectories], kinds={"pytorch", "mlflow"},
-          pool=DEVICE_POOL,
+          pool=DEVICE_POOL, op_tags=LORA_STEP_TAGS,
           check_specs=[dg.AssetCheckSpec(checks.KL_WITHIN_BOUND, asset="adapter_checkpoint",
                                          description="KL to the reference policy within the configured bound."),
                        dg.AssetCheckSpec(checks.ADAPTER_LOADS, asset="adapter_checkpoint",
@@ -163,7 +163,7 @@ def adapter_checkpoint(context: dg.AssetExecutionContext, policy_engine: PolicyE
 
 
 @dg.multi_asset(
-    name="eval_report", partitions_def=ITERATIONS, pool=DEVICE_POOL,
+    name="eval_report", partitions_def=ITERATIONS, pool=DEVICE_POOL, op_tags=LORA_STEP_TAGS,
     can_subset=True,  # can_subset: may skip check and asset
     specs=[dg.AssetSpec("eval_report", deps=[adapter_checkpoint], skippable=True, group_name=GROUP, kinds={"mlflow"},
                         description="Held-out evaluation every eval.every iterations and after the last.")],

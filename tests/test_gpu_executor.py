@@ -131,3 +131,45 @@ def test_full_parameter_runs_ask_exclusive_and_bad_tags_name_the_tag():
             assert not r.success
             text = " ".join(str(e.event_specific_data) + str(e.message) for e in r.all_events)
             assert "gpu_executor.inventory.count must be a positive integer, got 'two'" in text
+
+
+def test_rl_job_on_the_gpu_executor_with_a_worker(tmp_path):
+    """`dagster job execute` of the `rl` job with TINKER_EXECUTOR=gpu: every step its own process,
+    LoRA steps as thin clients of a resident worker, devices from the ledger."""
+    import subprocess
+    import sys
+
+    import torch
+    import yaml
+
+    from tinker_pipelines.worker.client import start_worker
+
+    address = tmp_path / "w.sock"
+    worker = start_worker("tiny", address, device="cpu", log=tmp_path / "worker.log",
+                          extra=["--threads", str(torch.get_num_threads())])
+    try:
+        home = tmp_path / "dagster"
+        home.mkdir()
+        (home / "dagster.yaml").write_text("")
+        settings = {"seed": 2, "model": {"name": "tiny", "seed": 0}, "env": {"path": "test_worker:ShortReplyEnv",
+                                                                            "eval_kwargs": {}},
+                    "training": {"iterations": 1, "groups_per_batch": 2, "group_size": 4, "max_new_tokens": 4},
+                    "eval": {"every": 1, "num_tasks": 4}}
+        run_config = {"ops": {"rollout_batch": {"config": settings}},
+                      "execution": {"config": {"inventory": {"count": 1, "memory_gb": 16},
+                                               "ledger_path": str(tmp_path / "ledger.sqlite")}}}
+        (tmp_path / "rl.yaml").write_text(yaml.safe_dump(run_config))
+        env = {**os.environ, "DAGSTER_HOME": str(home), "TINKER_HOME": str(tmp_path / "tinker"),
+               "TINKER_EXECUTOR": "gpu", "TINKER_WORKER": str(address)}
+        r = subprocess.run([sys.executable, "-m", "dagster", "job", "execute", "-m", "tinker_pipelines.definitions",
+                            "-j", "rl", "-c", str(tmp_path / "rl.yaml"), "--tags", '{"dagster/partition": "gx:0"}'],
+                           env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        events = Ledger(str(tmp_path / "ledger.sqlite")).audit_log()
+        granted = {e.step_key for e in events if e.event == "grant"}
+        assert {"rollout_batch", "scored_trajectories", "adapter_checkpoint"} <= granted
+        assert all(e.needs.sharing == "lora" for e in events)
+        assert not replay_audit(events, Inventory.from_config({"count": 1, "memory_gb": 16})).oversubscribed
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        worker.wait(timeout=30)

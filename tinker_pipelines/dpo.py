@@ -19,6 +19,7 @@ from tinker_pipelines.algorithms.dpo import dpo_loss
 from tinker_pipelines.algorithms.losses import LossBatch, LossConfig
 from tinker_pipelines.config import Config
 from tinker_pipelines.learner import Learner, pad_datums
+from tinker_pipelines.schedule_rules import eval_due
 from tinker_pipelines.preferences import PreferencePair, generate_pairs, pair_datums, summarize_pairs
 from tinker_pipelines.tracking.store import dumps
 from tinker_pipelines.train import Experiment, append_metrics, derived_seed
@@ -87,7 +88,7 @@ def run_dpo(exp: Experiment, pairs: list[PreferencePair], on_step: OnMetrics | N
         last = step + 1 == d.steps
         if last:
             metrics.update(pair_metrics(learner, pairs, d.beta))
-        if evaluate and ((step + 1) % exp.cfg.eval.every == 0 or last):
+        if evaluate and eval_due(step, exp.cfg.eval.every, d.steps):
             metrics.update(exp.evaluate())
         history.append(metrics)
         if on_step:

@@ -18,6 +18,13 @@ DEVICE_POOL = "tinker_device"
 """Dagster concurrency pool of the steps that load or train a model."""
 
 
+LORA_STEP_TAGS = {"tinker/devices": "1", "tinker/memory_gb": "2", "tinker/sharing": "lora"}
+"""Op tags of a step that trains or samples one LoRA experiment: one device, shared, ~2 GB of it
+(the GPU-aware executor makes it exclusive when the run's config trains every parameter)."""
+EXCLUSIVE_STEP_TAGS = {"tinker/devices": "1", "tinker/sharing": "exclusive"}
+"""Op tags of a step that trains every parameter of a model (SFT): one whole device."""
+
+
 def eval_due(iteration: int, every: int, iterations: int) -> bool:
     """Whether 0-based `iteration` of `iterations` evaluates: every `every` iterations and after the last.
 

@@ -26,6 +26,7 @@ from tinker_pipelines.learner import Learner, LearnerConfig
 from tinker_pipelines.models import base_identity, load_model, load_tokenizer, stop_token_ids
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes, run_groups
 from tinker_pipelines.rollout.sampler import Sampler
+from tinker_pipelines.schedule_rules import eval_due
 from tinker_pipelines.types import Datum, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -252,7 +253,7 @@ class Experiment:
         start = time.perf_counter()
         ro = self.rollout(iteration)
         metrics = {"iteration": float(iteration), **ro.metrics, **self.train_step(ro.groups)}
-        if (iteration + 1) % self.cfg.eval.every == 0 or iteration + 1 == self.cfg.training.iterations:
+        if eval_due(iteration, self.cfg.eval.every, self.cfg.training.iterations):
             metrics.update(self.evaluate())
         self.iteration = iteration + 1
         metrics["time/iteration_s"] = time.perf_counter() - start

@@ -5,7 +5,8 @@ in a 0600 file beside the 0600 socket); the handshake runs in the client's own t
 deadline, so a silent or unauthenticated client never blocks the others. The compute thread
 takes the first pending request, then waits up to `window_s` for every other connected client
 to have one pending too (Tinker's clock cycle): the `sample` calls of that cycle decode as one
-mixed-adapter batch and its `forward_backward` calls share base passes (`Engine`).
+mixed-adapter batch and its `forward_backward` calls share base passes (`Engine`). With
+`TINKER_WORKER_TRACE=1` in its environment the worker logs each cycle's duration and requests.
 """
 
 from __future__ import annotations
@@ -170,8 +171,13 @@ class WorkerServer:
                     except queue.Empty:
                         break
             try:
+                t0 = time.perf_counter()
                 with self.engine.lock:
                     self._run(batch)
+                if os.environ.get("TINKER_WORKER_TRACE"):
+                    ops = ",".join(f"{i.request.get('op')}:{i.request.get('adapter', i.request.get('what', ''))}"
+                                   for i in batch)
+                    print(f"worker: {time.perf_counter() - t0:.3f}s {ops}", file=self.log, flush=True)
             except Exception as e:  # a bug must not kill the worker: report it to the callers
                 traceback.print_exc(file=self.log)
                 for item in batch:

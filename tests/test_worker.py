@@ -230,3 +230,20 @@ def test_cli_errors_are_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "tinker_pipelines", "train", str(cfg), "--worker", str(tmp_path / "no.sock")],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "error: no worker at" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_an_adapter_recreated_after_its_client_left_trains(tmp_path, worker):
+    """A step process per Dagster step: each creates the experiment's adapter anew after the
+    previous client's copy was dropped (the last adapter on the worker)."""
+    address, _ = worker()
+    cfg = _cfg(tmp_path, "again")
+    for _ in range(2):
+        exp = Experiment(cfg, worker=str(address))
+        metrics = exp.run_iteration(0)
+        assert metrics["informative_groups"] > 0 and metrics["grad_norm"] > 0
+        exp.worker.close()
+        deadline = time.time() + 10
+        probe = WorkerClient(address)
+        while probe.request("stats")["adapters"] and time.time() < deadline:
+            time.sleep(0.1)
+        probe.close()

@@ -181,6 +181,9 @@ class Learner:
                     self.model.load_adapter(str(adapter_path), adapter_name=adapter_name, is_trainable=True)
                 else:
                     self.model.add_adapter(adapter_name, lora)
+                # PEFT keeps the previous active adapter (a stale name once it was deleted): make
+                # this one active in every layer, or its forward would skip the adapter.
+                self.model.set_adapter(adapter_name)
             elif adapter_path is not None:
                 self.model = PeftModel.from_pretrained(base_model, str(adapter_path), adapter_name=adapter_name,
                                                        is_trainable=True)

@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     global DEVICE
     DEVICE = args.device
     torch.set_num_threads(args.threads)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the workers
     out = Path(tempfile.mkdtemp(prefix="multi-lora-"))
     seeds = list(range(1, N_EXP + 1))
     print(f"model {args.model}, {N_EXP} experiments, {args.iterations} iterations each; load avg {os.getloadavg()[0]:.2f}")

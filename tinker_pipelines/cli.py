@@ -85,6 +85,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
             raise ValueError(f"--socket {socket.resolve()} is too long for a Unix socket (100 characters at most)")
         for name in args.imports:
             importlib.import_module(name)
+        if args.max_train_rows < 0:
+            raise ValueError(f"--max-train-rows must be >= 0, got {args.max_train_rows}")
         for name, v in (("--max-rows", args.max_rows), ("--max-lora-rank", args.max_lora_rank)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
@@ -102,7 +104,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     model, tok = load_model(args.model, seed=args.seed, dtype=dtype, device=device, **kwargs)
     model.requires_grad_(False)
     engine = Engine(model, tok.pad_token_id, stop_token_ids(tok), base_identity(args.model, kwargs, args.seed),
-                    EngineConfig(batching=not args.no_batching, max_rows=args.max_rows,
+                    EngineConfig(batching=not args.no_batching, max_rows=args.max_rows, max_train_rows=args.max_train_rows,
                                  max_lora_rank=args.max_lora_rank, exclusive=args.exclusive))
     try:
         WorkerServer(engine, socket.resolve(), window_s=args.window_ms / 1000).serve_forever()
@@ -131,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--no-batching", action="store_true",
                    help="serve one request at a time, exactly as in-process (no cross-experiment batches)")
     w.add_argument("--window-ms", type=float, default=20.0, help="how long a batch waits for other clients")
-    w.add_argument("--max-rows", type=int, default=256, help="most sequences in one batch")
+    w.add_argument("--max-rows", type=int, default=256, help="most sequences in one sample batch")
+    w.add_argument("--max-train-rows", type=int, default=0,
+                   help="most sequences in one shared training pass (0: the largest experiment's micro-batch)")
     w.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank an experiment may use")
     w.add_argument("--exclusive", action="store_true", help="host one experiment, which may train every parameter")
     w.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

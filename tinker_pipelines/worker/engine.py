@@ -44,7 +44,10 @@ class EngineConfig:
     """Run concurrent requests of several experiments together (mixed-adapter decode, shared base
     passes); off: one request at a time, each exactly as the in-process engine computes it."""
     max_rows: int = 256
-    """Most sequences in one sample batch or one training pass."""
+    """Most sequences in one sample batch (and in one request)."""
+    max_train_rows: int = 0
+    """Most sequences in one shared training pass; 0: the largest micro-batch among its experiments,
+    so sharing a pass needs no more activation memory than the largest experiment alone."""
     max_lora_rank: int = 64
     """Largest LoRA rank an adapter may have."""
     exclusive: bool = False
@@ -186,7 +189,8 @@ class Engine:
                 replies[i] = _error(e)
         lora = [(i, j) for i, j in jobs if j.learner.cfg.mode == "lora"]
         if self.cfg.batching and len(lora) > 1:
-            forward_backward_together([j for _, j in lora], self.cfg.max_rows)
+            rows = self.cfg.max_train_rows or max(j.learner.cfg.micro_batch_size for _, j in lora)
+            forward_backward_together([j for _, j in lora], rows)
             done = {i for i, _ in lora}
             for i, j in lora:
                 replies[i] = _error(j.error) if j.error is not None else {"metrics": j.totals}

@@ -38,8 +38,8 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from tinker_pipelines import checkpoint as ckpt
-from tinker_pipelines.algorithms.losses import LossBatch, LossConfig, LossFn
-from tinker_pipelines.learner import VALUE_HEAD_FILE, Learner, LearnerConfig, ValueHead, _Padded, pad_datums
+from tinker_pipelines.algorithms.losses import LossConfig, LossFn
+from tinker_pipelines.learner import VALUE_HEAD_FILE, Learner, LearnerConfig, ValueHead, _Padded, loss_batch, pad_datums
 from tinker_pipelines.prefix_sharing import plan_prefix_sharing, supports_prefix_sharing
 from tinker_pipelines.types import Datum
 
@@ -199,10 +199,7 @@ class DeepSpeedLearner(Learner):
             ref_BT = self.reference_logprobs(padded) if self.cfg.needs_reference else None
             lp_BT, values_BT = self.engine(padded, values=self.value_head is not None,
                                            share_prefix=self._all_share_prefix(padded))
-            critic = {"values_BT": values_BT, "old_values_BT": padded.fields["old_values"],
-                      "returns_BT": padded.fields["returns"]} if values_BT is not None else {}
-            batch = LossBatch(weights_BT, padded.fields["behaviour_logprobs"], padded.fields["advantages"], ref_BT,
-                              **critic)
+            batch = loss_batch(padded.fields, ref_BT, values_BT)
             loss, metrics = loss_fn(lp_BT, batch, loss_cfg)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss {loss.item()} at learner step {self.steps}")

@@ -137,6 +137,14 @@ def pad_datums(datums: list[Datum], pad_token_id: int, device: torch.device | st
     return _Padded(inputs, targets, mask, fields)
 
 
+def loss_batch(fields: dict[str, torch.Tensor], ref_BT: torch.Tensor | None,
+               values_BT: torch.Tensor | None) -> LossBatch:
+    """A loss's inputs from padded rows (`_Padded.fields`, or a row slice of them)."""
+    critic = ({"values_BT": values_BT, "old_values_BT": fields["old_values"], "returns_BT": fields["returns"]}
+              if values_BT is not None else {})
+    return LossBatch(fields["weights"], fields["behaviour_logprobs"], fields["advantages"], ref_BT, **critic)
+
+
 class Learner:
     """Trains one policy; `model` is what the sampler should use (the adapter applied)."""
 
@@ -294,10 +302,7 @@ class Learner:
             weights_BT = padded.fields["weights"]
             ref_BT = self.reference_logprobs(padded) if self.cfg.needs_reference else None
             lp_BT, values_BT = self._forward(self.model, padded, values=self.value_head is not None)
-            critic = {"values_BT": values_BT, "old_values_BT": padded.fields["old_values"],
-                      "returns_BT": padded.fields["returns"]} if values_BT is not None else {}
-            batch = LossBatch(weights_BT, padded.fields["behaviour_logprobs"], padded.fields["advantages"], ref_BT,
-                              **critic)
+            batch = loss_batch(padded.fields, ref_BT, values_BT)
             loss, metrics = loss_fn(lp_BT, batch, loss_cfg)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss {loss.item()} at learner step {self.steps}")

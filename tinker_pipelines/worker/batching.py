@@ -21,8 +21,8 @@ from typing import Iterator
 
 import torch
 
-from tinker_pipelines.algorithms.losses import LossBatch, LossConfig, LossFn
-from tinker_pipelines.learner import Learner, pad_datums
+from tinker_pipelines.algorithms.losses import LossConfig, LossFn
+from tinker_pipelines.learner import Learner, loss_batch, pad_datums
 from tinker_pipelines.prefix_sharing import PrefixPlan, plan_prefix_sharing, supports_prefix_sharing
 from tinker_pipelines.types import Datum
 
@@ -175,10 +175,8 @@ def _one_pass(model: torch.nn.Module, lead: Learner, members: list[tuple[FBJob, 
     total = None
     for s, e, job in bounds:
         f = {k: v[s:e] for k, v in padded.fields.items()}
-        critic = ({"values_BT": values_BT[s:e], "old_values_BT": f["old_values"], "returns_BT": f["returns"]}
-                  if job.learner.value_head is not None else {})
-        batch = LossBatch(f["weights"], f["behaviour_logprobs"], f["advantages"],
-                          ref_BT[s:e] if ref_BT is not None and job.learner.cfg.needs_reference else None, **critic)
+        batch = loss_batch(f, ref_BT[s:e] if ref_BT is not None and job.learner.cfg.needs_reference else None,
+                           values_BT[s:e] if job.learner.value_head is not None else None)
         loss, metrics = job.loss_fn(lp_BT[s:e], batch, job.loss_cfg)
         if not torch.isfinite(loss):
             job.error = FloatingPointError(f"non-finite loss {loss.item()} at learner step {job.learner.steps}")

@@ -18,15 +18,25 @@ from tinker_pipelines.train import Experiment
 CHAMPION = "champion"
 
 
-def _resolve(tracker, name: str, version: str):
+def resolve_version(tracker, name: str, version: str):
+    """The version of registered model `name` that `version` names: '' = the latest, a number, or
+    an alias; `dg.Failure` with a one-sentence message when there is none (also used by `inference`)."""
+    from mlflow.exceptions import MlflowException
+
+    if tracker.latest_version(name) is None:
+        raise dg.Failure(f"registered model {name!r} does not exist or has no versions")
     if not version:
         mv = tracker.latest_version(name)
     elif version.isdigit():
-        mv = tracker.client.get_model_version(name, version)
+        try:
+            mv = tracker.client.get_model_version(name, version)
+        except MlflowException:  # MLflow raises for an unknown number; an unknown alias gives None below
+            mv = None
     else:
         mv = tracker.alias_version(name, version)
     if mv is None:
-        raise dg.Failure(f"registered model {name!r} has no version {version or '(any)'!r}")
+        what = f"version {version}" if version.isdigit() else f"alias {version!r}"
+        raise dg.Failure(f"registered model {name!r} has no {what}")
     return mv
 
 
@@ -35,7 +45,7 @@ def evaluate_adapter(context: dg.OpExecutionContext, config: EvaluateConfig, mlf
                      artifact_store: ArtifactStoreResource) -> dict:
     """Load base model + the version's checkpoint, evaluate greedily, tag the version, maybe promote."""
     tracker = mlflow.tracker()
-    mv = _resolve(tracker, config.model_name, config.version)
+    mv = resolve_version(tracker, config.model_name, config.version)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         path = tracker.download_version(config.model_name, str(mv.version), tmp)

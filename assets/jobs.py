@@ -1,4 +1,4 @@
-"""Jobs: `rl` (one iteration per run, partition `<experiment>:<iteration>`), `sft`, `dpo`, `evaluate`."""
+"""Jobs: `rl` (one iteration per run, partition `<experiment>:<iteration>`), `sft`, `dpo`, `evaluate`, `inference`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import dagster as dg
 
 from assets.dpo import DPO_ASSETS
 from assets.evaluation import evaluate
+from assets.inference import inference_results
 from assets.sft import sft_checkpoint
 from assets.training import RL_ASSETS
 from tinker_pipelines.schedule_rules import LOADS_MODEL_TAG
@@ -53,4 +54,11 @@ dpo = dg.define_asset_job(
                 "preference pairs from scored rollouts, DPO steps, a registered and evaluated adapter version. "
                 "Config under ops.preference_pairs.config.")
 
-JOBS = [rl, sft, dpo, evaluate]
+inference = dg.define_asset_job(
+    "inference", selection=dg.AssetSelection.assets(inference_results),
+    executor_def=EXECUTOR, tags=MODEL_RUN,
+    description="Batch generation and scoring of a registered adapter version (model: NAME@ALIAS, NAME/VERSION "
+                "or NAME) on a task set; per-episode JSONL in the artifact store. Config under "
+                "ops.inference_results.config.")
+
+JOBS = [rl, sft, dpo, evaluate, inference]

@@ -11,6 +11,7 @@ import dagster as dg
 
 from assets.dpo import DPO_ASSETS
 from assets.evaluation import evaluate
+from assets.inference import inference_results
 from assets.jobs import JOBS
 from assets.sensors import SCHEDULES, SENSORS
 from assets.sft import sft_checkpoint
@@ -18,7 +19,7 @@ from assets.training import RL_ASSETS
 from resources import build_resources
 
 defs = dg.Definitions(
-    assets=[*RL_ASSETS, sft_checkpoint, *DPO_ASSETS],
+    assets=[*RL_ASSETS, sft_checkpoint, *DPO_ASSETS, inference_results],
     jobs=JOBS,
     sensors=SENSORS,
     schedules=SCHEDULES,
@@ -43,4 +44,8 @@ def dpo_job() -> dg.JobDefinition:
     return defs.resolve_job_def("dpo")
 
 
-__all__ = ["defs", "evaluate", "rl_job", "sft_job", "dpo_job", "evaluate_job"]
+def inference_job() -> dg.JobDefinition:
+    return defs.resolve_job_def("inference")
+
+
+__all__ = ["defs", "evaluate", "rl_job", "sft_job", "dpo_job", "evaluate_job", "inference_job"]

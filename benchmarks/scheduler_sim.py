@@ -9,7 +9,8 @@ served, and the head of the queue blocks everyone behind it. Both schedules are 
 ledger audit events and checked with `replay_audit` (no device over-subscribed, no exclusive
 job sharing), which also measures utilization (device-seconds with at least one holder).
 
-Trace assumptions (the constants below; to be replaced by what a real run measures):
+Trace assumptions (the constants below, hand-set; `benchmarks.scheduler` drives the same
+simulation with kinds, memory and durations measured by its real part):
 - An 8B-class base model in bf16 on 80 GB GPUs. A LoRA job reserves its own copy of the base
   plus adapter, optimizer state and activations (no base sharing between tenants is assumed);
   full-parameter jobs need whole devices.
@@ -117,16 +118,21 @@ class Result:
     """Busy device-seconds / (devices x makespan), from replaying the audit."""
 
 
-def trace(jobs: int, seed: int) -> list[Job]:
+def trace(jobs: int, seed: int, kinds: tuple[Kind, ...] = KINDS, mean_gap_min: float = MEAN_GAP_MIN) -> list[Job]:
     """A seeded trace: Poisson arrivals, kinds drawn by share, log-normal durations."""
     rng = random.Random(seed)
     t, out = 0.0, []
     for i in range(jobs):
-        kind = rng.choices(KINDS, weights=[k.share for k in KINDS])[0]
+        kind = rng.choices(kinds, weights=[k.share for k in kinds])[0]
         work = kind.median_min * 60.0 * math.exp(rng.gauss(0.0, kind.sigma))
         out.append(Job(i, kind, t, work))
-        t += rng.expovariate(1.0 / (MEAN_GAP_MIN * 60.0))
+        t += rng.expovariate(1.0 / (mean_gap_min * 60.0))
     return out
+
+
+def kinds_of(jobs: list[Job]) -> tuple[Kind, ...]:
+    """The kinds that occur in a trace, in order of first appearance."""
+    return tuple(dict.fromkeys(j.kind for j in jobs))
 
 
 def aggregate(k: int, ratio_4: float) -> float:
@@ -139,14 +145,15 @@ def aggregate(k: int, ratio_4: float) -> float:
 def simulate(jobs: list[Job], inventory: Inventory, fifo: bool, ratio_4: float,
              starve_after_s: float | None) -> Result:
     """Run the trace to completion; `fifo`: whole devices, strict first come first served."""
-    needs = {k.name: _needs(k, fifo) for k in KINDS}
+    kinds = kinds_of(jobs)
+    needs = {k.name: _needs(k, fifo) for k in kinds}
     for n in needs.values():
         check_fits(n, inventory)
     arrivals = sorted(jobs, key=lambda j: j.arrival_s)
     queue: list[Job] = []
     running: dict[int, _Running] = {}
     events: list[AuditEvent] = []
-    waits: dict[str, list[float]] = {k.name: [] for k in KINDS}
+    waits: dict[str, list[float]] = {k.name: [] for k in kinds}
     t, nxt = 0.0, 0
 
     def log(event: str, job: Job, devices: tuple[int, ...]) -> None:
@@ -208,7 +215,7 @@ def _schedule(queue: list[Job], running: list[_Running], needs: dict[str, StepNe
     placed: list[tuple[Job, tuple[int, ...]]] = []
     for job in queue:
         n = needs[job.kind.name]
-        if head_waits and (n in failed or len(failed) == len(KINDS)):
+        if head_waits and (n in failed or len(failed) == len(set(needs.values()))):
             continue
         devices = place(n, inventory, holdings, exclude)
         if devices is None:
@@ -228,7 +235,7 @@ def _schedule(queue: list[Job], running: list[_Running], needs: dict[str, StepNe
     return placed
 
 
-def device_time_bound(jobs: list[Job], ratio_4: float) -> float:
+def device_time_bound(jobs: list[Job], ratio_4: float, gpu_memory_gb: float = GPU_MEMORY_GB) -> float:
     """Our least possible device-time over FIFO's: LoRA jobs at the best aggregate their memory
     allows, exclusive ones unchanged. makespan_ratio cannot fall below this x FIFO's utilization."""
     ours = fifo = 0.0
@@ -237,7 +244,7 @@ def device_time_bound(jobs: list[Job], ratio_4: float) -> float:
         if j.kind.sharing == "exclusive":
             ours += j.work_s * j.kind.devices
         else:
-            k_max = max(1, int(GPU_MEMORY_GB // j.kind.memory_gb))
+            k_max = max(1, int((gpu_memory_gb + 1e-9) // j.kind.memory_gb))
             ours += j.work_s * j.kind.devices / max(aggregate(k, ratio_4) for k in range(1, k_max + 1))
     return ours / fifo
 
@@ -275,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
     for label, pick in (("mean wait (min)", _mean), ("max wait (min)", lambda ws: max(ws, default=0.0))):
         rows.append((label, pick([w for ws in ours.waits_s.values() for w in ws]) / 60,
                      pick([w for ws in fifo.waits_s.values() for w in ws]) / 60))
-    for k in KINDS:
+    for k in kinds_of(jobs):
         rows.append((f"  mean wait {k.name}", _mean(ours.waits_s[k.name]) / 60, _mean(fifo.waits_s[k.name]) / 60))
     for label, a, b in rows:
         print(f"{label:26}{a:15.1f}{b:16.1f}")

@@ -62,8 +62,8 @@ def impossible():
     too_big()
 
 
-def _config(tmp_path, count=1, memory=80):
-    return {"execution": {"config": {"inventory": {"count": count, "memory_gb": memory},
+def _config(tmp_path, count=1, memory=80, launch="forkserver"):
+    return {"execution": {"config": {"inventory": {"count": count, "memory_gb": memory}, "step_launch": launch,
                                      "ledger_path": str(tmp_path / "ledger.sqlite")}}}
 
 
@@ -103,9 +103,10 @@ def test_concurrent_runs_never_hold_one_device_together(tmp_path):
     assert len({run for _, run in grants}) == 2
 
 
-def test_a_killed_step_frees_its_lease_and_the_retry_gets_the_device(tmp_path):
+@pytest.mark.parametrize("launch", ["forkserver", "process"])
+def test_a_killed_step_frees_its_lease_and_the_retry_gets_the_device(tmp_path, launch):
     with dg.instance_for_test() as instance:
-        with dg.execute_job(dg.reconstructable(flaky), instance, run_config=_config(tmp_path)) as r:
+        with dg.execute_job(dg.reconstructable(flaky), instance, run_config=_config(tmp_path, launch=launch)) as r:
             assert r.success and r.output_for_node("dies_once") == "0"
     events = Ledger(str(tmp_path / "ledger.sqlite")).audit_log()
     assert [e.event for e in events].count("grant") == 2
@@ -134,6 +135,11 @@ def test_full_parameter_runs_ask_exclusive_and_bad_tags_name_the_tag():
             assert not r.success
             text = " ".join(str(e.event_specific_data) + str(e.message) for e in r.all_events)
             assert "gpu_executor.inventory.count must be a positive integer, got 'two'" in text
+        with dg.execute_job(dg.reconstructable(impossible), instance, raise_on_error=False,
+                            run_config={"execution": {"config": {"step_launch": "thread"}}}) as r:
+            assert not r.success
+            text = " ".join(str(e.event_specific_data) + str(e.message) for e in r.all_events)
+            assert "gpu_executor.step_launch must be one of forkserver, process, got 'thread'" in text
 
 
 def test_rl_job_on_the_gpu_executor_with_a_worker(tmp_path):

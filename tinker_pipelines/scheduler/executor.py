@@ -2,9 +2,9 @@
 
 Each step declares its needs in op tags (`tinker/devices`, `tinker/memory_gb`, `tinker/sharing`:
 see `placement.needs_from_tags`); a step without them needs no device. The handler launches every
-step as its own process through `step_entry`, which takes a lease from the ledger shared by all
-runs on this instance (a sqlite file beside it), so two runs never hold a device together beyond
-its capacity; the lease dies with the step process. Dagster's `StepDelegatingExecutor` brings
+step as its own process (forked from a preloaded server by default: `step_launch`), which takes
+a lease from the ledger shared by all runs on this instance (a sqlite file beside it), so two
+runs never hold a device together beyond its capacity; the lease dies with the step process. Dagster's `StepDelegatingExecutor` brings
 the rest: retries (op retry policies, `retries` config), step health checks, termination and
 resuming a failed run. A request that can never fit fails its step at once.
 
@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -31,6 +29,7 @@ from dagster._core.executor.step_delegating import (CheckStepHealthResult, StepD
 from tinker_pipelines.scheduler.inventory import Inventory
 from tinker_pipelines.scheduler.placement import StepNeeds, check_fits, needs_from_tags
 from tinker_pipelines.scheduler.step_entry import NEVER_FITS_EXIT
+from tinker_pipelines.scheduler.step_launch import LAUNCHES, StepProcess, launch
 
 LEDGER_FILE = "tinker_devices.sqlite"
 """The device ledger's file name, in the Dagster instance's root directory by default."""
@@ -58,11 +57,11 @@ class DeviceStepHandler(StepHandler):
     """Launches each step as a process that first takes its devices from the ledger."""
 
     def __init__(self, inventory_config: dict[str, Any] | None, ledger_path: str, timeout_s: float | None,
-                 poll_s: float = 0.2):
+                 poll_s: float = 0.2, step_launch: str = "forkserver"):
         self.inventory_config, self.ledger_path = inventory_config, ledger_path
         self.inventory = Inventory.detect() if inventory_config is None else Inventory.from_config(inventory_config)
-        self.timeout_s, self.poll_s = timeout_s, poll_s
-        self._procs: dict[tuple[str, str], subprocess.Popen] = {}
+        self.timeout_s, self.poll_s, self.step_launch = timeout_s, poll_s, step_launch
+        self._procs: dict[tuple[str, str], StepProcess] = {}
 
     @property
     def name(self) -> str:
@@ -80,10 +79,9 @@ class DeviceStepHandler(StepHandler):
         spec = None if needs is None else {"devices": needs.devices, "memory_gb": needs.memory_gb,
                                            "sharing": needs.sharing, "timeout_s": self.timeout_s,
                                            "poll_s": self.poll_s}
-        command = [sys.executable, "-m", "tinker_pipelines.scheduler.step_entry", self.ledger_path,
-                   json.dumps(self.inventory_config), json.dumps(spec), run_id, step_key, "--",
-                   *ctx.execute_step_args.get_command_args()]
-        self._procs[(run_id, step_key)] = subprocess.Popen(command, start_new_session=True)
+        lease_args = (self.ledger_path, json.dumps(self.inventory_config), json.dumps(spec), run_id, step_key)
+        self._procs[(run_id, step_key)] = launch(self.step_launch, lease_args,
+                                                 list(ctx.execute_step_args.get_command_args()))
         yield DagsterEvent.step_worker_starting(
             ctx.get_step_context(step_key), f"Launching step {step_key} needing {needs or 'no device'}",
             metadata={"needs": dg.MetadataValue.text(str(needs or "none"))})
@@ -98,8 +96,11 @@ class DeviceStepHandler(StepHandler):
 
     def terminate_step(self, ctx: StepHandlerContext) -> Iterator[DagsterEvent]:
         proc = self._procs.get(self._key(ctx))
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
+        if proc is not None and proc.poll() is None and proc.pid is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
         yield from ()
 
 
@@ -114,6 +115,10 @@ class DeviceStepHandler(StepHandler):
         "acquire_timeout_s": dg.Field(float, is_required=False,
                                       description="Fail a step that waited this long for devices (default: wait)."),
         "max_concurrent": dg.Field(int, is_required=False, description="Most step processes of one run at once."),
+        "step_launch": dg.Field(str, default_value="forkserver",
+                                description="How step processes start: 'forkserver' (forked from a server with "
+                                            "torch, transformers, peft, dagster and mlflow preloaded) or 'process' "
+                                            "(a fresh interpreter per step)."),
         "retries": get_retries_config(),
     },
     requirements=dg.multiple_process_executor_requirements(),
@@ -126,8 +131,11 @@ def gpu_executor(init_context: dg.InitExecutorContext) -> StepDelegatingExecutor
             Inventory.from_config(inventory, field="gpu_executor.inventory")
     except ValueError as e:
         raise dg.DagsterInvalidConfigError(str(e), [], inventory) from None
+    if cfg["step_launch"] not in LAUNCHES:
+        raise dg.DagsterInvalidConfigError(f"gpu_executor.step_launch must be one of {', '.join(LAUNCHES)}, "
+                                           f"got {cfg['step_launch']!r}", [], cfg["step_launch"])
     ledger = cfg.get("ledger_path") or str(Path(init_context.instance.root_directory) / LEDGER_FILE)
-    handler = DeviceStepHandler(inventory, ledger, cfg.get("acquire_timeout_s"))
+    handler = DeviceStepHandler(inventory, ledger, cfg.get("acquire_timeout_s"), step_launch=cfg["step_launch"])
     return StepDelegatingExecutor(handler, retries=RetryMode.from_config(cfg["retries"]),
                                   max_concurrent=cfg.get("max_concurrent"), check_step_health_interval_seconds=1,
                                   sleep_seconds=0.1)

@@ -1,7 +1,8 @@
 """A step process that first takes its devices: `python -m tinker_pipelines.scheduler.step_entry`.
 
-The GPU-aware step handler launches this instead of `dagster api execute_step`. It acquires a
-lease from the shared ledger *as itself*, sets `CUDA_VISIBLE_DEVICES` (real CUDA inventories)
+With `step_launch: process` the GPU-aware step handler launches this instead of `dagster api
+execute_step` (a forked step calls `lease_environment` the same way, `step_launch`). It acquires
+a lease from the shared ledger *as itself*, sets `CUDA_VISIBLE_DEVICES` (real CUDA inventories)
 and `TINKER_LEASE_DEVICES`, then replaces itself (`exec`, the same pid) with the Dagster step
 command. The lease is therefore owned by the step process for its whole life and expires the
 moment it exits, however it exits (a kill -9 included): nothing has to remember to release it.
@@ -23,26 +24,34 @@ from tinker_pipelines.scheduler.placement import StepNeeds
 NEVER_FITS_EXIT = 3
 
 
+def lease_environment(ledger_path: str, inventory_json: str, needs_json: str, run_id: str,
+                      step_key: str) -> dict[str, str]:
+    """Take this process's lease (waiting as the ledger says) and return the variables that tell
+    the step its devices; {} for a step that needs none. Raises ValueError when the request can
+    never fit, TimeoutError when it waited longer than its timeout."""
+    spec_inventory = json.loads(inventory_json)  # the executor's inventory config, or null: detect
+    spec = json.loads(needs_json)
+    if spec is None:
+        return {}
+    inventory = Inventory.detect() if spec_inventory is None else Inventory.from_config(spec_inventory)
+    needs = StepNeeds(**{k: spec[k] for k in ("devices", "memory_gb", "sharing")})
+    lease = Ledger(ledger_path).acquire(LeaseOwner.current(run_id, step_key), needs, inventory,
+                                        timeout_s=spec.get("timeout_s"), poll_s=spec.get("poll_s", 0.5))
+    env = {"TINKER_LEASE_DEVICES": ",".join(map(str, lease.devices)), "TINKER_LEASE_ID": str(lease.id)}
+    if all(inventory[i].kind == "cuda" for i in lease.devices):
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(inventory[i].index) for i in lease.devices)
+    return env
+
+
 def main(argv: list[str]) -> int:
     sep = argv.index("--")
     ledger_path, inventory_json, needs_json, run_id, step_key = argv[:sep]
     command = argv[sep + 1:]
-    spec_inventory = json.loads(inventory_json)  # the executor's inventory config, or null: detect
-    inventory = Inventory.detect() if spec_inventory is None else Inventory.from_config(spec_inventory)
-    spec = json.loads(needs_json)
-    env = dict(os.environ)
-    if spec is not None:
-        needs = StepNeeds(**{k: spec[k] for k in ("devices", "memory_gb", "sharing")})
-        try:
-            lease = Ledger(ledger_path).acquire(LeaseOwner.current(run_id, step_key), needs, inventory,
-                                                timeout_s=spec.get("timeout_s"), poll_s=spec.get("poll_s", 0.5))
-        except (ValueError, TimeoutError) as e:
-            print(f"error: step {step_key} of run {run_id}: {e}", file=sys.stderr, flush=True)
-            return NEVER_FITS_EXIT
-        env["TINKER_LEASE_DEVICES"] = ",".join(map(str, lease.devices))
-        env["TINKER_LEASE_ID"] = str(lease.id)
-        if all(inventory[i].kind == "cuda" for i in lease.devices):
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(inventory[i].index) for i in lease.devices)
+    try:
+        env = {**os.environ, **lease_environment(ledger_path, inventory_json, needs_json, run_id, step_key)}
+    except (ValueError, TimeoutError) as e:
+        print(f"error: step {step_key} of run {run_id}: {e}", file=sys.stderr, flush=True)
+        return NEVER_FITS_EXIT
     sys.stdout.flush()
     os.execvpe(command[0], command, env)
     return 0  # not reached

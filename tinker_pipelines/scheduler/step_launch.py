@@ -1,0 +1,103 @@
+"""How the GPU-aware step handler starts a step process: forked from a preloaded server, or fresh.
+
+A fresh interpreter per step (`"process"`) spends ~10 s on this machine importing torch,
+transformers, peft, dagster and mlflow before the step's first line: with a resident worker a
+LoRA step is a thin client that takes well under a second, so the imports would be nearly all
+of it. `"forkserver"` (the default) starts Python's `multiprocessing` forkserver once per run
+process with those third-party modules preloaded; each step is forked from it and pays only for
+the project's own modules (~0.4 s), the instance and the step itself. It is the same mechanism
+Dagster's multiprocess executor offers (`start_method: forkserver`, `preload_modules`).
+
+What keeps a forked step equivalent to a fresh one:
+- Only third-party modules are preloaded: the project's modules (which read `TINKER_*` at import)
+  are imported in the step, after it has taken the caller's environment, working directory and
+  `PYTHONPATH` as they are at launch, not as they were when the server started.
+- The server imports torch but never touches CUDA (`PYTORCH_NVML_BASED_CUDA_CHECK=1` in its
+  environment keeps even an availability check from initialising the driver), so each step sets
+  `CUDA_VISIBLE_DEVICES` for its lease before CUDA starts, exactly as a fresh process does.
+- The step leads its own session (`os.setsid`), so terminating it signals its process group,
+  and it takes its lease as itself: the lease dies with it, however it exits.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+from typing import Any, Protocol
+
+from tinker_pipelines.scheduler.step_entry import NEVER_FITS_EXIT, lease_environment
+
+LAUNCHES = ("forkserver", "process")
+"""Values of the executor's `step_launch` config."""
+PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", "peft", "peft.tuners.lora",
+           "dagster", "dagster._cli.api", "mlflow", "sqlalchemy")
+"""Modules the forkserver imports once; third-party only (see the module docstring)."""
+
+
+class StepProcess(Protocol):
+    """What the handler needs of a launched step: its pid and, once it ended, its exit code."""
+
+    pid: int | None
+
+    def poll(self) -> int | None: ...
+
+
+class _ForkedStep:
+    """A step forked from the preloaded server (a `multiprocessing.Process` underneath)."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess):
+        self._process = process
+        self.pid = process.pid
+
+    def poll(self) -> int | None:
+        code = self._process.exitcode
+        return None if code is None else (code if code >= 0 else 128 - code)  # killed by signal N: 128+N
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+
+def _forkserver() -> Any:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server starts (first launch)
+    return ctx
+
+
+def launch(how: str, lease_args: tuple[str, str, str, str, str], command: list[str]) -> StepProcess:
+    """Start a step: take its lease (`step_entry`'s arguments: ledger path, inventory JSON, needs
+    JSON, run id, step key), then run the `dagster api execute_step` `command`."""
+    if how == "process":
+        return subprocess.Popen([sys.executable, "-m", "tinker_pipelines.scheduler.step_entry", *lease_args, "--",
+                                 *command], start_new_session=True)
+    if how != "forkserver":
+        raise ValueError(f"gpu_executor.step_launch must be one of {', '.join(LAUNCHES)}, got {how!r}")
+    ctx = _forkserver()
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # inherited by the server when it starts
+    process = ctx.Process(target=_forked_step, args=(lease_args, command, dict(os.environ), os.getcwd()),
+                          name=f"step {lease_args[4]}", daemon=False)
+    process.start()
+    return _ForkedStep(process)
+
+
+def _forked_step(lease_args: tuple[str, str, str, str, str], command: list[str], environ: dict[str, str],
+                 cwd: str) -> None:
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    # as `python -m dagster ...` would start: the working directory first, then $PYTHONPATH
+    # (Dagster drops sys.path[0] when it imports the code location)
+    front = [cwd, *[p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    sys.path[:] = front + [p for p in sys.path if p not in front]
+    try:
+        os.environ.update(lease_environment(*lease_args))
+    except (ValueError, TimeoutError) as e:
+        print(f"error: step {lease_args[4]} of run {lease_args[3]}: {e}", file=sys.stderr, flush=True)
+        sys.exit(NEVER_FITS_EXIT)
+    from dagster._cli.api import execute_step_command
+
+    args = command[command.index("execute_step") + 1:]
+    execute_step_command.main(args=args, prog_name="dagster api execute_step", standalone_mode=False)

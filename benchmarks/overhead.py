@@ -9,7 +9,15 @@ Timed: the RL iterations only — for the plain loop from the end of its baselin
 `rl` runs, including loading the SFT base model in the first one. The SFT warm start (identical
 on both sides) is not timed. The MLflow database is created before timing.
 
-    python -m benchmarks.overhead [--iterations 10] [--repeats 2]
+    python -m benchmarks.overhead [--iterations 10] [--repeats 2] [--executor in_process|gpu]
+
+`--executor gpu`: the Dagster side runs on the GPU-aware executor (`TINKER_EXECUTOR=gpu`): every
+step is its own process (forked from the preloaded server) holding a device lease from the
+ledger, and the LoRA steps are thin clients of a resident worker started on the SFT base after
+the `sft` run (`TINKER_WORKER`), as a deployment with workers runs; its start is not timed (a
+resident worker pays it once). The worker runs with cross-adapter batching off: one experiment
+has nothing to batch with, and its unbatched path is the in-process engine's, so the metrics
+must be identical. The plain side is unchanged: `train(cfg)` in one process.
 
 Last line: {"ratio": ..., "identical": ..., "iterations": ..., "load_avg_1min": [at start, at end], ...}.
 """
@@ -19,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -62,22 +71,31 @@ def run_plain(cfg_dict: dict, out: Path) -> tuple[float, float, list[dict]]:
             [deterministic_metrics(m) for m in history])
 
 
-def run_dagster(cfg_dict: dict, home: Path, experiment: str) -> tuple[float, float, list[dict]]:
+def run_dagster(cfg_dict: dict, home: Path, experiment: str, executor: str = "in_process"
+                ) -> tuple[float, float, list[dict]]:
     import dagster as dg
 
     from assets.launch import run_iterations, run_sft
     from resources import build_resources
     from tinker_pipelines.tracking import TinkerHome, registered_model_name
 
-    tracker = build_resources("local")["mlflow"].tracker()  # the deployment exists before timing
+    resources = build_resources("local")
+    tracker = resources["mlflow"].tracker()  # the deployment exists before timing
     instance = dg.DagsterInstance.from_config(str(TinkerHome(home).ensure().dagster_home))
+    worker = None
     try:
         run_sft(instance, experiment, cfg_dict)
+        if executor == "gpu":
+            worker = _start_worker(resources["artifact_store"].store().local_dir(f"{experiment}/sft"), home)
         start, cpu = time.perf_counter(), time.process_time()
         ok = run_iterations(instance, experiment, cfg_dict)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     finally:
         instance.dispose()
+        if worker is not None:
+            os.killpg(worker.pid, signal.SIGTERM)
+            worker.wait(timeout=60)
+            os.environ.pop("TINKER_WORKER", None)
     if not all(ok):
         raise SystemExit(f"dagster runs failed: {ok}")
     run_id = tracker.find_run(experiment)
@@ -92,12 +110,29 @@ def run_dagster(cfg_dict: dict, home: Path, experiment: str) -> tuple[float, flo
     return wall, cpu, [per_step[k] for k in sorted(per_step)]
 
 
+def _start_worker(sft_base: Path, home: Path):
+    """A resident worker on the experiment's SFT base; step processes reach it via TINKER_WORKER."""
+    from tinker_pipelines.worker.client import start_worker
+
+    address = home / f"worker-{time.monotonic_ns()}.sock"
+    # batching off: one experiment has nothing to batch with, and its unbatched path is the
+    # in-process engine's own (merged adapter weights), so the metrics can be compared exactly
+    proc = start_worker(str(Path(sft_base).resolve()), address, device="cpu", dtype="float32",
+                        extra=["--threads", os.environ["OMP_NUM_THREADS"], "--no-batching", "--max-rows", "4096"],
+                        log=home / "worker.log")
+    os.environ["TINKER_WORKER"] = str(address)
+    return proc
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--repeats", type=int, default=1, help="alternate plain/dagster this many times; best of each")
     p.add_argument("--preset", choices=sorted(PRESETS), default="standard", help="iteration size")
+    p.add_argument("--executor", choices=["in_process", "gpu"], default="in_process",
+                   help="the Dagster side's executor (gpu: step processes with device leases and a worker)")
     args = p.parse_args(argv)
+    os.environ["TINKER_EXECUTOR"] = args.executor  # read when the jobs are defined (first import below)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -111,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         t, c, plain_m = run_plain(cfg, tmp / f"plain{r}")
         plain_times.append(t)
         plain_cpu.append(c)
-        t, c, dagster_m = run_dagster(cfg, tmp / "tinker", f"overhead{r}")
+        t, c, dagster_m = run_dagster(cfg, tmp / "tinker", f"overhead{r}", args.executor)
         dagster_times.append(t)
         dagster_cpu.append(c)
         print(f"repeat {r}: plain {plain_times[-1]:.2f}s  dagster {dagster_times[-1]:.2f}s", file=sys.stderr)
@@ -122,12 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{n} GRPO iterations (LoRA), model {cfg['model']}, seed 0, after {cfg['sft']['steps']} SFT steps; "
           f"{t['groups_per_batch']}x{t['group_size']} episodes x {t['max_new_tokens']} tokens; "
           f"eval every {cfg['eval']['every']} on {cfg['eval']['num_tasks']} tasks; best of {args.repeats}")
+    print(f"executor: {args.executor}" + (" (a step process per step, device leases, LoRA steps on a resident worker)"
+                                         if args.executor == "gpu" else " (the steps of a run share this process)"))
     print(f"{'':28}{'plain train()':>16}{'dagster rl job':>16}")
     print(f"{'wall time (s)':28}{plain:>16.2f}{dag:>16.2f}")
     print(f"{'per iteration (s)':28}{plain / n:>16.3f}{dag / n:>16.3f}")
     print(f"{'overhead per iteration (s)':28}{'':>16}{(dag - plain) / n:>16.3f}")
     pc, dc = min(plain_cpu), min(dagster_cpu)
-    print(f"{'process CPU time (s)':28}{pc:>16.2f}{dc:>16.2f}")
+    print(f"{'process CPU time (s)':28}{pc:>16.2f}{dc:>16.2f}" + ("   (this process only: not the steps or the worker)"
+                                                                 if args.executor == "gpu" else ""))
     print(f"{'wall / CPU ratio':28}{plain / pc:>16.2f}{dag / dc:>16.2f}   (>1: waiting for the CPU or disk)")
     print(f"ratio dagster/plain: wall {dag / plain:.3f}, process CPU {dc / pc:.3f}")
     print(f"{'all repeats (s)':28}{' '.join(f'{t:.1f}' for t in plain_times):>16}"
@@ -141,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  iteration {k}: {dict(list(diff.items())[:4])}")
                 break
     print(json.dumps({"ratio": round(dag / plain, 4), "identical": identical, "iterations": n,
-                      "cpu_ratio": round(dc / pc, 4), "preset": args.preset,
+                      "cpu_ratio": round(dc / pc, 4) if args.executor == "in_process" else None, "preset": args.preset, "executor": args.executor,
                       "load_avg_1min": [round(load_start, 2), round(os.getloadavg()[0], 2)]}))
     return 0
 

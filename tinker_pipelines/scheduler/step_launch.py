@@ -4,14 +4,15 @@ A fresh interpreter per step (`"process"`) spends ~10 s on this machine importin
 transformers, peft, dagster and mlflow before the step's first line: with a resident worker a
 LoRA step is a thin client that takes well under a second, so the imports would be nearly all
 of it. `"forkserver"` (the default) starts Python's `multiprocessing` forkserver once per run
-process with those third-party modules preloaded; each step is forked from it and pays only for
-the project's own modules (~0.4 s), the instance and the step itself. It is the same mechanism
+process with those modules preloaded; each step is forked from it and pays only for the code
+location's modules, the instance and the step itself. It is the same mechanism
 Dagster's multiprocess executor offers (`start_method: forkserver`, `preload_modules`).
 
 What keeps a forked step equivalent to a fresh one:
-- Only third-party modules are preloaded: the project's modules (which read `TINKER_*` at import)
-  are imported in the step, after it has taken the caller's environment, working directory and
-  `PYTHONPATH` as they are at launch, not as they were when the server started.
+- Only third-party modules and the library core are preloaded: the code location's modules (which
+  read `TINKER_*` at import) are imported in the step, after it has taken the caller's
+  environment, working directory and `PYTHONPATH` as they are at launch, not as they were when
+  the server started.
 - The server imports torch but never touches CUDA (`PYTORCH_NVML_BASED_CUDA_CHECK=1` in its
   environment keeps even an availability check from initialising the driver), so each step sets
   `CUDA_VISIBLE_DEVICES` for its lease before CUDA starts, exactly as a fresh process does.
@@ -21,10 +22,14 @@ What keeps a forked step equivalent to a fresh one:
 
 from __future__ import annotations
 
+import io
 import multiprocessing
+import multiprocessing.context
 import os
 import subprocess
 import sys
+from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
+from multiprocessing.context import set_spawning_popen
 from typing import Any, Protocol
 
 from tinker_pipelines.scheduler.step_entry import NEVER_FITS_EXIT, lease_environment
@@ -32,8 +37,16 @@ from tinker_pipelines.scheduler.step_entry import NEVER_FITS_EXIT, lease_environ
 LAUNCHES = ("forkserver", "process")
 """Values of the executor's `step_launch` config."""
 PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", "peft", "peft.tuners.lora",
-           "dagster", "dagster._cli.api", "mlflow", "sqlalchemy")
-"""Modules the forkserver imports once; third-party only (see the module docstring)."""
+           "mlflow", "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
+           "sqlalchemy", "sqlalchemy.orm", "sqlalchemy.dialects.sqlite", "alembic", "alembic.command", "attr",
+           "dagster", "dagster._cli.api", "dagster._core.execution.api", "dagster._core.execution.plan.active",
+           "dagster._core.instance.factory", "dagster._core.storage.sqlite_storage",
+           "dagster._core.storage.local_compute_log_manager", "dagster._core.executor.step_delegating",
+           "dagster._core.definitions.repository_definition.repository_data_builder", "dagster._daemon",
+           "tinker_pipelines.train", "tinker_pipelines.tracking", "tinker_pipelines.worker.client")
+"""Modules the forkserver imports once: third-party ones and the library core, which reads no
+environment at import; not the Dagster code location (`assets/`, `resources/`, definitions), whose
+modules read `TINKER_*` when imported (see the module docstring)."""
 
 
 class StepProcess(Protocol):
@@ -66,6 +79,39 @@ def _forkserver() -> Any:
     return ctx
 
 
+class _StepPopen(popen_forkserver.Popen):
+    """`multiprocessing`'s forkserver launch, less re-running the caller's `__main__` in the child.
+
+    A forked child normally re-imports the parent's main script so that targets defined there
+    unpickle; the step's target lives in this module, and a user's script that calls
+    `execute_job` without an `if __name__ == "__main__"` guard must not run again in every step.
+    The body is the standard library's `_launch` with those two keys dropped."""
+
+    def _launch(self, process_obj: Any) -> None:
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        prep_data.pop("init_main_from_path", None)
+        prep_data.pop("init_main_from_name", None)
+        buf = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            set_spawning_popen(None)
+        self.sentinel, w = forkserver.connect_to_new_process(self._fds)
+        _parent_w = os.dup(w)  # the child's sentinel of this parent, as the standard library keeps it
+        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _StepProcess(multiprocessing.context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> _StepPopen:
+        return _StepPopen(process_obj)
+
+
 def launch(how: str, lease_args: tuple[str, str, str, str, str], command: list[str]) -> StepProcess:
     """Start a step: take its lease (`step_entry`'s arguments: ledger path, inventory JSON, needs
     JSON, run id, step key), then run the `dagster api execute_step` `command`."""
@@ -74,10 +120,10 @@ def launch(how: str, lease_args: tuple[str, str, str, str, str], command: list[s
                                  *command], start_new_session=True)
     if how != "forkserver":
         raise ValueError(f"gpu_executor.step_launch must be one of {', '.join(LAUNCHES)}, got {how!r}")
-    ctx = _forkserver()
+    _forkserver()
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # inherited by the server when it starts
-    process = ctx.Process(target=_forked_step, args=(lease_args, command, dict(os.environ), os.getcwd()),
-                          name=f"step {lease_args[4]}", daemon=False)
+    process = _StepProcess(target=_forked_step, args=(lease_args, command, dict(os.environ), os.getcwd()),
+                           name=f"step {lease_args[4]}", daemon=False)
     process.start()
     return _ForkedStep(process)
 

@@ -116,6 +116,8 @@ def launch(how: str, lease_args: tuple[str, str, str, str, str], command: list[s
     """Start a step: take its lease (`step_entry`'s arguments: ledger path, inventory JSON, needs
     JSON, run id, step key), then run the `dagster api execute_step` `command`."""
     if how == "process":
+        if command[:1] == ["dagster"]:  # Dagster's default entry point needs it on PATH: use this interpreter's
+            command = [sys.executable, "-m", "dagster", *command[1:]]
         return subprocess.Popen([sys.executable, "-m", "tinker_pipelines.scheduler.step_entry", *lease_args, "--",
                                  *command], start_new_session=True)
     if how != "forkserver":

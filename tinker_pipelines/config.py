@@ -6,6 +6,7 @@ Every error names the field, e.g. `training.learning_rate must be positive, got 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import typing
 from dataclasses import dataclass, field
@@ -48,11 +49,43 @@ class EnvConfig:
     """Built-in name or 'package.module:ClassName' of an `Env` subclass."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Constructor arguments for training episodes."""
-    eval_kwargs: dict[str, Any] = field(default_factory=lambda: {"split": "test"})
-    """Overrides of `kwargs` for evaluation episodes (held-out tasks)."""
+    eval_kwargs: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_EVAL_KWARGS))
+    """Overrides of `kwargs` for evaluation episodes (held-out tasks); the default `split: test`
+    applies only to environments whose constructor takes a `split` (others hold out by seed)."""
 
     def spec(self, evaluation: bool = False) -> EnvSpec:
-        return EnvSpec(self.path, {**self.kwargs, **self.eval_kwargs} if evaluation else dict(self.kwargs))
+        if not evaluation:
+            return EnvSpec(self.path, dict(self.kwargs))
+        extra = dict(self.eval_kwargs)
+        if extra == DEFAULT_EVAL_KWARGS and not _accepts(EnvSpec(self.path).resolve(), "split"):
+            extra = {}  # an env without splits holds out its evaluation tasks by seed alone
+        return EnvSpec(self.path, {**self.kwargs, **extra})
+
+    def check(self) -> None:
+        """Resolve the class and bind the training and the evaluation kwargs to its constructor,
+        so that a mismatch fails before any model loads, naming the field."""
+        cls = self.spec().resolve()
+        for name, spec in (("env.kwargs", self.spec()), ("env.eval_kwargs", self.spec(evaluation=True))):
+            try:
+                inspect.signature(cls).bind(**spec.kwargs)
+            except TypeError as e:
+                raise ConfigError(f"{name} {spec.kwargs!r} do not fit the constructor of {self.path!r}: {e}") from None
+            except ValueError:  # no signature to check (a builtin): building it will tell
+                pass
+
+
+DEFAULT_EVAL_KWARGS: dict[str, Any] = {"split": "test"}
+"""`env.eval_kwargs` by default."""
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    """Whether calling `fn` accepts a keyword argument `name`."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except ValueError:
+        return True
+    return any(p.name == name and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.kind == p.VAR_KEYWORD
+               for p in params)
 
 
 @dataclass(frozen=True)
@@ -238,7 +271,7 @@ class Config:
             resolve_dtype(self.model.dtype, resolve_device(self.model.device))
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        self.env.spec().resolve()
+        self.env.check()
         return self
 
 

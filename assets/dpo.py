@@ -36,7 +36,7 @@ class DPOJobConfig(RLConfig):
 
 
 def pairs_key(experiment: str) -> str:
-    return f"{experiment}/dpo/preference_pairs.pkl"
+    return f"{experiment}/dpo/preference_pairs.json"
 
 
 def _experiment(cfg: Config, store, name: str) -> Experiment:

@@ -59,7 +59,7 @@ class _Step:
         return self.engine.experiment(self.name, self.cfg, at, checkpoint, sft_base)
 
     def load(self, what: str):
-        """An artifact an earlier step of this iteration wrote (`rollout.pkl`, `datums.pkl`): from
+        """An artifact an earlier step of this iteration wrote (`rollout.json`, `datums.json`): from
         memory when that step ran in this process on the same resident experiment, else the store."""
         found = self.engine.recall(self.name, self.k, what)
         return found if found is not None else loads(self.store.get_bytes(store_key(self.name, self.k, what)))
@@ -92,7 +92,7 @@ def rollout_batch(context: dg.AssetExecutionContext, config: RLConfig, policy_en
     prev = step.adapter(k - 1)
     exp = step.experiment(at=k)
     ro = exp.rollout(k)
-    uri = step.save("rollout.pkl", {"groups": ro.groups, "metrics": ro.metrics})
+    uri = step.save("rollout.json", {"groups": ro.groups, "metrics": ro.metrics})
     m = ro.metrics
     return dg.MaterializeResult(
         metadata={"path": uri_value(uri), "reward_mean": m["reward_mean"], "reward_std": m["reward_std"],
@@ -109,9 +109,9 @@ def scored_trajectories(context: dg.AssetExecutionContext, policy_engine: Policy
     """Training datums with advantages (`Experiment.score`: the algorithm's group estimator, or the
     critic's values and GAE for PPO), scored with the policy that sampled them."""
     step = _Step(context, policy_engine, artifact_store, mlflow)
-    groups = step.load("rollout.pkl")["groups"]
+    groups = step.load("rollout.json")["groups"]
     datums = step.experiment(at=step.k).score(groups)
-    uri = step.save("datums.pkl", datums)
+    uri = step.save("datums.json", datums)
     advs = [abs(a) for d in datums for a, w in zip(d.advantages, d.weights) if w]
     return dg.MaterializeResult(metadata={
         "path": uri_value(uri), "datums": len(datums),
@@ -132,7 +132,7 @@ def adapter_checkpoint(context: dg.AssetExecutionContext, policy_engine: PolicyE
     registered model version."""
     step = _Step(context, policy_engine, artifact_store, mlflow)
     name, k = step.name, step.k
-    rollout, datums = step.load("rollout.pkl"), step.load("datums.pkl")
+    rollout, datums = step.load("rollout.json"), step.load("datums.json")
     exp = step.experiment(at=k)
     key = store_key(name, k, "adapter")
     with policy_engine.updating(name):

@@ -86,7 +86,7 @@ def test_rl_iterations_with_artifacts_in_s3(s3_endpoint, tmp_path, monkeypatch):
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="prod/s3exp")["Contents"]}
     for k in range(2):
-        assert f"prod/s3exp/{k:05d}/rollout.pkl" in keys
+        assert f"prod/s3exp/{k:05d}/rollout.json" in keys
         assert f"prod/s3exp/{k:05d}/adapter/adapter_model.safetensors" in keys
     assert "prod/s3exp/experiment.json" in keys
     # the downloaded copy of iteration 0 sits in the local cache, not in the local artifact folder

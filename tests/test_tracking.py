@@ -68,8 +68,8 @@ def test_flatten_nested_params():
 def test_local_store_round_trip(tmp_path):
     store = open_store(tmp_path / "store")
     assert isinstance(store, LocalStore)
-    uri = store.put_bytes("exp/00000/rollout.pkl", dumps({"x": (1, 2)}))
-    assert uri.endswith("exp/00000/rollout.pkl") and loads(store.get_bytes("exp/00000/rollout.pkl")) == {"x": (1, 2)}
+    uri = store.put_bytes("exp/00000/rollout.json", dumps({"x": (1, 2)}))
+    assert uri.endswith("exp/00000/rollout.json") and loads(store.get_bytes("exp/00000/rollout.json")) == {"x": (1, 2)}
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)
     (src / "sub" / "f.txt").write_text("hi")

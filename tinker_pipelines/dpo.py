@@ -101,7 +101,7 @@ def train_dpo(cfg: Config, on_iteration: OnMetrics | None = None,
               resume: bool = False) -> list[dict[str, float]]:
     """SFT warm start (if configured), pairs from the starting policy, `dpo.steps` DPO steps.
 
-    Writes under `output_dir`: `sft/` (the warm-started model), `preference_pairs.pkl`,
+    Writes under `output_dir`: `sft/` (the warm-started model), `preference_pairs.json`,
     `metrics.jsonl` (iteration -1 is the starting policy; iteration k is DPO step k) and
     `checkpoints/dpo` (the trained adapter or model).
     """
@@ -114,7 +114,7 @@ def train_dpo(cfg: Config, on_iteration: OnMetrics | None = None,
         exp.sft(on_sft_step)
         exp.save_base(out / "sft")
     pairs, tasks = preference_pairs(exp)
-    (out / "preference_pairs.pkl").write_bytes(dumps(pairs))
+    (out / "preference_pairs.json").write_bytes(dumps(pairs))
     exp.start_rl()
     log = out / "metrics.jsonl"
     log.write_text("")

@@ -8,12 +8,12 @@ local disk for loading.
 
 from __future__ import annotations
 
-import io
-import pickle
 import shutil
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
+
+from tinker_pipelines.tracking import codec
 
 
 class ArtifactStore(Protocol):
@@ -137,12 +137,10 @@ def open_store(uri: str | Path, endpoint_url: str | None = None, cache_dir: str 
 
 
 def dumps(obj: Any) -> bytes:
-    """Serialize trajectories / datums (frozen dataclasses) for the store."""
-    buf = io.BytesIO()
-    pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
-    return buf.getvalue()
+    """Serialize trajectories / datums / preference pairs for the store (tagged JSON: `codec`)."""
+    return codec.encode(obj)
 
 
 def loads(data: bytes) -> Any:
-    """Inverse of `dumps`. Only for objects this project wrote to its own store."""
-    return pickle.loads(data)
+    """Inverse of `dumps`; refuses pickles and anything else that is not the codec's JSON, running nothing."""
+    return codec.decode(data)

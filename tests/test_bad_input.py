@@ -19,6 +19,7 @@ from tinker_pipelines.types import StepResult
     ({"env": {"path": "no_such.module:Env"}}, "env.path 'no_such.module:Env'"),
     ({"env": {"path": "tinker_pipelines.types:Datum"}}, "not a subclass"),
     ({"env": {"path": "arithmetic-without-colon"}}, "env.path"),
+    ({"algorithm": {"clip_eps": -0.2}}, "algorithm.clip_eps must be > 0, got -0.2"),
     ({"training": {"learning_rate": 0}}, "training.learning_rate must be positive"),
     ({"training": {"learning_rate": -1e-3}}, "training.learning_rate must be positive"),
     ({"training": {"group_size": 1}}, "training.group_size must be >= 2 for grpo"),

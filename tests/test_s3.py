@@ -59,6 +59,19 @@ def test_s3_store_round_trip(s3_endpoint, tmp_path):
         store.local_dir("missing")
 
 
+def test_a_checkpoint_record_is_uploaded_last(s3_endpoint, tmp_path):
+    store = open_store(f"s3://{BUCKET}/order", endpoint_url=s3_endpoint, cache_dir=tmp_path / "cache")
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    for name in ("adapter_model.safetensors", "record.json", "value_head.safetensors", "rng.pt"):
+        (src / name).write_bytes(b"x")
+    order: list[str] = []
+    upload = store.client.upload_file
+    store.client.upload_file = lambda f, b, k: (order.append(k.rsplit("/", 1)[-1]), upload(f, b, k))
+    store.put_dir(src, "c")
+    assert order[-1] == "record.json" and sorted(order) == sorted(p.name for p in src.iterdir())
+
+
 def s3_rl_job() -> dg.JobDefinition:
     """The `rl` job with the production resources (read from the environment at run time)."""
     defs = dg.Definitions(assets=RL_ASSETS, jobs=[rl], resources=build_resources("production"))

@@ -257,6 +257,7 @@ class Config:
         _require(a.kl_estimator in ("k1", "k3"), "algorithm.kl_estimator", "must be 'k1' or 'k3'", a.kl_estimator)
         _require(a.normalization in ("sequence", "token"), "algorithm.normalization",
                  "must be 'sequence' or 'token'", a.normalization)
+        _require(a.clip_eps > 0 and math.isfinite(a.clip_eps), "algorithm.clip_eps", "must be > 0", a.clip_eps)
         _require(a.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0", a.kl_coef)
         for name in ("gamma", "gae_lambda"):
             _require(0 <= getattr(a, name) <= 1, f"algorithm.{name}", "must be in [0, 1]", getattr(a, name))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
+from tinker_pipelines.checkpoint import RECORD
 from tinker_pipelines.tracking import codec
 
 
@@ -102,10 +103,12 @@ class S3Store:
         return resp.get("KeyCount", 0) > 0
 
     def put_dir(self, local: Path, key: str) -> str:
+        """Upload every file under `local`; a checkpoint's `record.json` goes last, so a crash
+        mid-upload never leaves a record beside missing tensors (the record is the commit marker)."""
         local = Path(local)
-        for f in sorted(local.rglob("*")):
-            if f.is_file():
-                self.client.upload_file(str(f), self.bucket, self._key(f"{key}/{f.relative_to(local).as_posix()}"))
+        files = sorted((f for f in local.rglob("*") if f.is_file()), key=lambda f: (f == local / RECORD, f))
+        for f in files:
+            self.client.upload_file(str(f), self.bucket, self._key(f"{key}/{f.relative_to(local).as_posix()}"))
         return self.uri(key)
 
     def local_dir(self, key: str) -> Path:

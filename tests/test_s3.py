@@ -104,3 +104,10 @@ def test_rl_iterations_with_artifacts_in_s3(s3_endpoint, tmp_path, monkeypatch):
     assert "prod/s3exp/experiment.json" in keys
     # the downloaded copy of iteration 0 sits in the local cache, not in the local artifact folder
     assert not (tinker_home().artifacts / "s3exp").exists()
+
+
+def test_the_store_names_the_checkpoint_record_as_checkpoints_do():
+    from tinker_pipelines.checkpoint import RECORD
+    from tinker_pipelines.tracking import store
+
+    assert store.RECORD == RECORD

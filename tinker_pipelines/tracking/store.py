@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from tinker_pipelines.checkpoint import RECORD
 from tinker_pipelines.tracking import codec
+
+RECORD = "record.json"
+"""A checkpoint's record (`checkpoint.RECORD`; not imported: that module loads torch, and the Dagster
+daemon and webserver open this package without the ML stack)."""
 
 
 class ArtifactStore(Protocol):

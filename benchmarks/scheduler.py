@@ -255,22 +255,16 @@ def _start(args: list[str], env: dict, log: Path) -> subprocess.Popen:
 
 def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM the process group (SIGKILL after 20 s); the group may outlive its leader (run workers)."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
+    for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            if sig == signal.SIGTERM:
+                return
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _stop_step_processes(ledger_path: Path) -> None:

@@ -2,19 +2,24 @@
 
 Every run goes through ``run()``, which also checks that the run's whole process
 group (and, with a private uid, every process of that uid) is gone within 1.5x
-the time limit. Tests for a layer the machine cannot provide are skipped, never
-passed vacuously: see ``layers``.
+the time limit, and requires every isolation layer this machine gives. Tests for a
+layer the machine cannot provide are skipped, never passed vacuously: see ``layers``.
+Refusal tests take layers away for real: a child process whose capability bounding
+set lacks what a layer needs.
 """
 
 from __future__ import annotations
 
 import hashlib
+import ctypes
+import functools
 import importlib.util
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import textwrap
 import time
@@ -22,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tinker_pipelines.sandbox import SandboxResult, run_python
+from tinker_pipelines.sandbox import LAYERS, SandboxResult, SandboxUnavailable, missing_layers, run_python
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,8 +47,14 @@ def _pids_of_uid(uid: int) -> list[int]:
     return pids
 
 
+@functools.cache
+def machine_missing() -> dict[str, str]:
+    return missing_layers()
+
+
 def run(code: str, timeout_s: float = 5.0, **kwargs: object) -> SandboxResult:
     """run_python, plus the check that nothing of the run survives it."""
+    kwargs.setdefault("require", [layer for layer in LAYERS if layer not in machine_missing()])
     start = time.monotonic()
     result = run_python(textwrap.dedent(code), timeout_s=timeout_s, **kwargs)  # type: ignore[arg-type]
     elapsed = time.monotonic() - start
@@ -344,3 +355,70 @@ def test_file_size_and_disk_limits(layers: SandboxResult) -> None:
 def test_rejects_non_positive_timeout() -> None:
     with pytest.raises(ValueError):
         run_python("pass", timeout_s=0)
+
+
+# --- refusal: a missing layer stops the program before any of its code runs ---
+
+_CAP_SETGID, _CAP_SETUID, _CAP_SYS_ADMIN, _PR_CAPBSET_DROP = 6, 7, 21, 24
+_CAPS_OF = {"uid_dropped": (_CAP_SETGID, _CAP_SETUID), "network_isolated": (_CAP_SYS_ADMIN,),
+            "filesystem_isolated": (_CAP_SYS_ADMIN,), "pid_isolated": (_CAP_SYS_ADMIN,)}
+
+
+def _without_caps(caps: tuple[int, ...]) -> None:
+    """preexec_fn: the child (and so its sandbox supervisor) can never hold these capabilities."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in caps:
+        if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), f"PR_CAPBSET_DROP {cap}")
+
+
+def run_without(caps: tuple[int, ...], code: str, **kwargs: object) -> dict:
+    """run_python(code, **kwargs) in a child without ``caps``: its result or its refusal."""
+    script = textwrap.dedent(f"""
+        import dataclasses, json
+        from tinker_pipelines.sandbox import SandboxUnavailable, run_python
+        try:
+            r = run_python({code!r}, **{kwargs!r})
+            print(json.dumps({{"result": dataclasses.asdict(r)}}))
+        except SandboxUnavailable as exc:
+            print(json.dumps({{"missing": exc.missing, "message": str(exc)}}))
+    """)
+    preexec = functools.partial(_without_caps, caps) if os.geteuid() == 0 else None  # else: all missing
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                           cwd=REPO, preexec_fn=preexec)
+    assert child.returncode == 0, child.stderr
+    return json.loads(child.stdout)
+
+
+@pytest.fixture
+def drop_box() -> Path:  # type: ignore[misc]
+    box = Path(tempfile.mkdtemp(prefix="sandbox-refusal-"))
+    box.chmod(0o1777)  # writable by any uid the program might run as
+    yield box
+    for child in box.iterdir():
+        child.unlink()
+    box.rmdir()
+
+
+@pytest.mark.parametrize("taken", [("uid_dropped",), ("network_isolated", "filesystem_isolated", "pid_isolated"),
+                                   LAYERS], ids=["setuid", "sys_admin", "all"])
+def test_a_missing_layer_is_refused_before_any_code_runs(taken: tuple[str, ...], drop_box: Path) -> None:
+    caps = tuple(sorted({cap for layer in taken for cap in _CAPS_OF[layer]}))
+    marker = drop_box / "ran"
+    code = f"open({str(marker)!r}, 'w').write('ran')\nprint('RAN')"
+    out = run_without(caps, code)
+    assert "result" not in out, out
+    assert set(out["missing"]) == set(taken) | set(machine_missing())
+    for layer in out["missing"]:
+        assert layer in out["message"] and out["missing"][layer] in out["message"]
+    assert not marker.exists()
+    if taken == LAYERS:  # the same program, opted out: it does run, so the marker check can fail
+        ran = run_without(caps, code, require=())["result"]
+        assert (ran["stdout"], ran["exit_code"]) == ("RAN\n", 0) and marker.read_text() == "ran"
+        assert not any(ran[layer] for layer in LAYERS)
+
+
+def test_require_names_only_known_layers() -> None:
+    with pytest.raises(ValueError, match="unknown layer"):
+        run_python("pass", require=["seccomp"])
+    assert run("print(1)", require=()).stdout == "1\n"

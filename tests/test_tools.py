@@ -1,9 +1,19 @@
 """Tools: schemas from typed functions, the tag format, errors as observations, the built-ins."""
 
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
+from tinker_pipelines import sandbox
+from tinker_pipelines.envs import EnvError, checked_step
 from tinker_pipelines.envs import tools as T
 from tinker_pipelines.envs.tool_env import MultiplyEnv
 from tinker_pipelines.envs.tools import (
@@ -102,8 +112,6 @@ def test_calculator_refuses_non_arithmetic(expression):
 
 
 def test_python_tool_runs_through_the_sandbox(monkeypatch):
-    import tinker_pipelines.sandbox as sandbox
-
     real, seen = sandbox.run_python, []
 
     def spy(code, **kwargs):
@@ -113,12 +121,97 @@ def test_python_tool_runs_through_the_sandbox(monkeypatch):
     monkeypatch.setattr(sandbox, "run_python", spy)
     ok = execute_tool_call(ToolCall("python", {"code": "print(6 * 7)"}), BUILTIN_TOOLS)
     assert ok.ok and ok.content == "42\n"
-    assert seen == [("print(6 * 7)", {"timeout_s": T.PYTHON_TOOL_TIMEOUT_S, "memory_mb": T.PYTHON_TOOL_MEMORY_MB})]
+    assert seen == [("print(6 * 7)", {"timeout_s": T.PYTHON_TOOL_TIMEOUT_S, "memory_mb": T.PYTHON_TOOL_MEMORY_MB,
+                                      "require": sandbox.LAYERS})]
     failed = execute_tool_call(ToolCall("python", {"code": "import sys; print('x'); sys.exit(3)"}), BUILTIN_TOOLS)
     assert not failed.ok and failed.content.startswith("error: exit code 3") and "x" in failed.content
     monkeypatch.setattr(T, "PYTHON_TOOL_TIMEOUT_S", 0.5)
     slow = execute_tool_call(ToolCall("python", {"code": "while True: pass"}), BUILTIN_TOOLS)
     assert not slow.ok and "timed out" in slow.content
+
+
+def test_tool_env_with_python_is_refused_at_build_when_a_layer_is_missing(monkeypatch):
+    probed = []
+
+    def probe(require):
+        probed.append(require)
+        return {"network_isolated": "unshare(CLONE_NEWNET): Operation not permitted"} if require else {}
+
+    monkeypatch.setattr(T, "_sandbox_missing", probe)
+    monkeypatch.delenv(T.TRUSTED_ENV, raising=False)
+    with pytest.raises(sandbox.SandboxUnavailable, match=r"network_isolated \(unshare\(CLONE_NEWNET\)") as refused:
+        MultiplyEnv(tools=("calculator", "python"))
+    assert refused.value.missing == {"network_isolated": "unshare(CLONE_NEWNET): Operation not permitted"}
+    assert probed == [sandbox.LAYERS]
+    MultiplyEnv(tools=("calculator",))  # no python tool, nothing to refuse
+    monkeypatch.setenv(T.TRUSTED_ENV, "1")
+    assert "python" in MultiplyEnv(tools=("python",)).tools and probed[-1] == ()
+
+
+def test_a_refusal_during_an_episode_is_never_shown_to_the_model(monkeypatch):
+    monkeypatch.setattr(T, "_sandbox_missing", lambda require: {})  # built while the layers were up
+
+    def refuse(code, **kwargs):
+        raise sandbox.SandboxUnavailable({"pid_isolated": "unshare(CLONE_NEWPID): Operation not permitted"})
+
+    env = MultiplyEnv(tools=("python",))
+    env.reset(seed=0)
+    monkeypatch.setattr(sandbox, "run_python", refuse)
+    call = format_tool_call("python", {"code": "print(1)"})
+    with pytest.raises(sandbox.SandboxUnavailable):
+        execute_tool_call(parse_tool_calls(call)[0], env.tools)
+    with pytest.raises(EnvError, match="SandboxUnavailable: .*pid_isolated"):
+        checked_step(env, call)
+
+
+def _drop_isolation_caps() -> None:
+    """preexec_fn: no CAP_SYS_ADMIN (namespaces), CAP_SETUID or CAP_SETGID (uid drop) ever again."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (21, 7, 6):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), f"PR_CAPBSET_DROP {cap}")
+
+
+def test_python_tool_without_isolation_refuses_and_runs_nothing():
+    """For real: a child process that can never set up a layer; as non-root none is possible anyway."""
+    box = Path(tempfile.mkdtemp(prefix="tool-refusal-"))
+    box.chmod(0o1777)
+    marker = box / "ran"
+    script = textwrap.dedent(f"""
+        import json
+        from tinker_pipelines.envs.tool_env import MultiplyEnv
+        from tinker_pipelines.envs.tools import BUILTIN_TOOLS, ToolCall, execute_tool_call
+        from tinker_pipelines.sandbox import SandboxUnavailable
+        out = {{}}
+        for what, attempt in (
+                ("build", lambda: MultiplyEnv(tools=("python",)).tools),
+                ("call", lambda: execute_tool_call(ToolCall("python", {{"code": "open({str(marker)!r}, 'w')"}}),
+                                                   BUILTIN_TOOLS).ok)):
+            try:
+                out[what] = repr(attempt())
+            except SandboxUnavailable as exc:
+                out[what] = exc.missing
+        print(json.dumps(out))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != T.TRUSTED_ENV}
+    preexec = _drop_isolation_caps if os.geteuid() == 0 else None
+
+    def child(**extra: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                              env={**env, **extra}, preexec_fn=preexec)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    try:
+        refused = child()
+        assert set(refused["build"]) == set(refused["call"]) == set(sandbox.LAYERS), refused
+        assert refused["call"]["network_isolated"].startswith("unshare(CLONE_NEWNET): ")
+        assert not marker.exists()
+        trusted = child(**{T.TRUSTED_ENV: "1"})  # the same call, opted out: it runs, so the check above can fail
+        assert trusted["call"] == "True" and marker.exists()
+    finally:
+        marker.unlink(missing_ok=True)
+        box.rmdir()
 
 
 def test_tool_env_turns_and_errors():

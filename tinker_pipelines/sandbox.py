@@ -5,23 +5,17 @@ returns a :class:`SandboxResult`. Process tree: caller -> supervisor (this file 
 as a script, in a new session) -> init (PID 1 of a new PID namespace) -> program.
 
 Always: new session/process group, an environment of only PATH, HOME, TMPDIR and
-LANG, a private working directory deleted afterwards, rlimits (CPU, address space,
-file size, processes, open files, no core dumps), a wall-clock limit after which
-every process of the run is SIGKILLed, capped stdout/stderr, no_new_privs. As root,
-when the kernel allows (each reported on the result): a fresh uid/gid per run
-(``uid_dropped``), a network namespace with no interface up
-(``network_isolated``), a mount namespace + chroot of read-only system paths and a
-tmpfs working directory (``filesystem_isolated``), a PID namespace (``pid_isolated``).
-Not root: none of those; the program can read what the caller can, use the network,
-signal the caller's processes and, via setsid(), outlive the run. Root without
-``filesystem_isolated``: world-readable files (the project checkout) are readable
-and world-writable ones (/tmp) writable. Details in docs/sandbox.md.
+LANG, a private working directory deleted afterwards, rlimits, a wall-clock limit
+after which every process of the run is SIGKILLed, capped stdout/stderr,
+no_new_privs. The isolation layers of :data:`LAYERS` (a fresh uid, network, mount +
+chroot and PID namespaces) need root and a kernel that allows them; by default every
+one is required, and when one cannot be set up the program is never started:
+:class:`SandboxUnavailable` names the missing layer and why. ``require=`` narrows
+that for trusted code (``require=()`` runs with whatever the machine gives).
 
 Never protected against: kernel exploits (shared kernel, no seccomp filter); side
-channels (timing, caches, host-wide /proc and /sys files); reading the bound system
-paths; denial of service within the limits (CPU, memory bandwidth, tmpfs memory up
-to ``disk_mb``, ``max_processes`` pids; RLIMIT_AS is per process, not per tree).
-Treat the program's output as written by an adversary.
+channels; reading the bound system paths; denial of service within the limits.
+Treat the program's output as written by an adversary. Details in docs/sandbox.md.
 """
 
 from __future__ import annotations
@@ -41,9 +35,9 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, Iterable, NoReturn
 
-__all__ = ["SandboxResult", "run_python"]
+__all__ = ["LAYERS", "SandboxResult", "SandboxUnavailable", "missing_layers", "run_python"]
 
 _CLONE_NEWNS, _CLONE_NEWPID, _CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
@@ -57,6 +51,22 @@ _SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
                  "/etc/ld.so.cache", "/etc/localtime")
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
 _WORKDIR, _PROGRAM = "/sandbox", "/program.py"  # as seen from inside the chroot
+
+LAYERS = ("uid_dropped", "network_isolated", "filesystem_isolated", "pid_isolated")
+"""The isolation layers, named as the :class:`SandboxResult` flags; all required by default."""
+
+
+class SandboxUnavailable(RuntimeError):
+    """A required isolation layer is missing (a fault of the machine, not of the code), so
+    the program was never started."""
+
+    def __init__(self, missing: dict[str, str]):
+        self.missing = dict(missing)
+        """Each missing layer and why it is missing."""
+        super().__init__(
+            "sandbox refused to run the program: required isolation layer(s) missing: "
+            + "; ".join(f"{layer} ({why})" for layer, why in self.missing.items())
+            + ". docs/sandbox.md says what each layer needs, and how trusted code opts out")
 
 
 @dataclass(frozen=True)
@@ -93,18 +103,24 @@ class SandboxResult:
 
 def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, stdin: str = "",
                max_output_bytes: int = 1 << 20, max_file_mb: int = 8, disk_mb: int = 64,
-               max_processes: int = 32, python: str | None = None) -> SandboxResult:
+               max_processes: int = 32, python: str | None = None,
+               require: Iterable[str] = LAYERS) -> SandboxResult:
     """Run ``code`` as a Python program in a sandbox and return what happened.
 
     ``timeout_s`` is wall-clock time from launch (sandbox start-up, about 0.1 s,
     included); CPU time is capped a little above it. ``memory_mb`` is the address
     space per process, ``max_file_mb`` the largest file it may write, ``disk_mb`` the
     size of its tmpfs working directory (with filesystem isolation), ``max_processes``
-    the most processes its uid may have, ``python`` the interpreter (default: ours).
+    the most processes its uid may have, ``python`` the interpreter (default: ours),
+    ``require`` the layers without which the program must not start (default: all of
+    :data:`LAYERS`; raises :class:`SandboxUnavailable` naming the missing ones).
     Returns once every process of the run is gone and its directory is deleted.
     """
     if timeout_s <= 0:
         raise ValueError("timeout_s must be positive")
+    required = list(dict.fromkeys(require))
+    if unknown := [layer for layer in required if layer not in LAYERS]:
+        raise ValueError(f"require: unknown layer(s) {unknown}; known: {', '.join(LAYERS)}")
     interpreter = os.path.realpath(python or sys.executable)
     uid = _fresh_uid() if os.geteuid() == 0 else os.geteuid()
     base = tempfile.mkdtemp(prefix="tinker-sandbox-")
@@ -123,10 +139,19 @@ def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, stdin
             "RLIMIT_NOFILE": (64, 64), "RLIMIT_CORE": (0, 0),
         }
         config = {"root": root, "python": interpreter, "uid": uid, "disk_mb": disk_mb,
-                  "binds": _bind_paths(interpreter), "rlimits": limits}
+                  "binds": _bind_paths(interpreter), "rlimits": limits, "require": required}
         return _supervise(config, stdin, timeout_s, max_output_bytes)
     finally:
         _remove_tree(base)
+
+
+def missing_layers(require: Iterable[str] = LAYERS) -> dict[str, str]:
+    """Which of ``require`` this machine cannot give right now, and why (one empty run)."""
+    try:
+        run_python("pass", require=require)
+    except SandboxUnavailable as exc:
+        return exc.missing
+    return {}
 
 
 def _fresh_uid() -> int:
@@ -203,6 +228,8 @@ def _supervise(config: dict[str, Any], stdin: str, timeout_s: float, cap: int) -
             drain_until = time.monotonic() + 1.0  # all dead by now: only buffered output left
             while sel.get_map() and time.monotonic() < drain_until:
                 pump(sel, drain_until)
+    if status.get("refused"):
+        raise SandboxUnavailable(status["refused"])
     done = not timed_out and "wait_status" in status
     exit_code = os.waitstatus_to_exitcode(status["wait_status"]) if done else None
     return SandboxResult(
@@ -260,9 +287,16 @@ def _supervisor_main(config: dict[str, Any]) -> NoReturn:
     libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     # Subreaper: orphans are reparented to us, so we reap them and leave no zombies.
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    net = libc.unshare(_CLONE_NEWNET) == 0
-    mnt = libc.unshare(_CLONE_NEWNS) == 0
-    pidns = libc.unshare(_CLONE_NEWPID) == 0  # applies to children from here on
+    why: dict[str, str] = {}  # missing layer -> reason, checked before the program starts
+    active = {}
+    for flag, name, layer in ((_CLONE_NEWNET, "NEWNET", "network_isolated"),
+                              (_CLONE_NEWNS, "NEWNS", "filesystem_isolated"),
+                              (_CLONE_NEWPID, "NEWPID", "pid_isolated")):  # PID: for children
+        active[layer] = libc.unshare(flag) == 0
+        if not active[layer]:
+            why[layer] = f"unshare(CLONE_{name}): {os.strerror(ctypes.get_errno())}"
+    net, mnt, pidns = active["network_isolated"], active.pop("filesystem_isolated"), active["pid_isolated"]
+    config["why"], config["active"] = why, active
     init_pid = os.fork()
     if init_pid == 0:
         _init_main(config, libc, mnt, pidns)
@@ -315,8 +349,10 @@ def _init_main(config: dict[str, Any], libc: ctypes.CDLL, mnt: bool, pidns: bool
     """Build the filesystem view, start the program, report how it ended."""
     try:
         fs = mnt and _build_root(config, libc, pidns)
-    except OSError:
+    except OSError as exc:
         fs = False  # a half-built root stays unused; its mounts die with our namespace
+        config["why"]["filesystem_isolated"] = f"building the chroot: {exc.strerror or exc}"
+    config["active"]["filesystem_isolated"] = fs
     program_pid = os.fork()
     if program_pid == 0:
         _exec_program(config, libc, fs)
@@ -381,8 +417,17 @@ def _exec_program(config: dict[str, Any], libc: ctypes.CDLL, fs: bool) -> NoRetu
             if ceiling != resource.RLIM_INFINITY:  # only root may raise a hard limit
                 wanted = [min(value, ceiling) for value in wanted]
             resource.setrlimit(limit, wanted)
-        # Without CAP_SETUID this fails and the program runs as we are; the result says so.
-        dropped = uid != os.geteuid() and _become(uid)
+        euid = os.geteuid()
+        dropped = uid != euid and _become(uid)
+        active, why = {**config["active"], "uid_dropped": dropped}, config["why"]
+        if not dropped:
+            why["uid_dropped"] = (f"not root (uid {euid}): no other uid to switch to" if uid == euid
+                                  else "setresuid/setresgid refused: no CAP_SETUID/CAP_SETGID")
+        # The last point before the program's code runs: a missing layer stops it here.
+        if refused := {layer: why.get(layer, "not set up") for layer in config["require"]
+                       if not active[layer]}:
+            _report(config["status_fd"], refused=refused)
+            os._exit(125)
         libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
         os.chdir(workdir)
         _report(config["status_fd"], fs=fs, uid_dropped=dropped)

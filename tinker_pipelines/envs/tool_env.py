@@ -49,6 +49,9 @@ class ToolEnv(Env):
         if max_tool_calls < 0:
             raise ValueError(f"env.kwargs.max_tool_calls must be >= 0, got {max_tool_calls}")
         self.tools = {**get_tools(list(tools)), **{t.name: t for t in extra_tools or []}}
+        for t in self.tools.values():  # a tool this machine cannot run fails the build, before any episode
+            if t.preflight is not None:
+                t.preflight()
         self.max_tool_calls, self.tool_role, self.prompt_style = max_tool_calls, tool_role, prompt_style
         self._answer: str | None = None
         self._done = True

@@ -25,22 +25,30 @@ parse, an unknown tool, missing or ill-typed arguments, or a tool that raises al
 model can see and learn from its mistake.
 
 Built in: `calculator` (exact arithmetic from a parsed syntax tree; never `eval`) and `python`
-(runs code through `tinker_pipelines.sandbox.run_python`).
+(runs code through `tinker_pipelines.sandbox.run_python`, only with every isolation layer of the
+sandbox up; `TINKER_SANDBOX_TRUSTED=1` opts out, for trusted code only). A missing layer is the
+machine's fault, not the model's: it raises `SandboxUnavailable` from the tool's `preflight`
+(which `ToolEnv` runs when it is built) and from the call itself, and is never shown to the model.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import json
 import math
 import operator
+import os
 import re
 import types
 import typing
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Callable
+
+from tinker_pipelines import sandbox
+from tinker_pipelines.sandbox import SandboxUnavailable
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _TAG_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
@@ -63,6 +71,8 @@ class Tool:
     """JSON schema of the arguments: {'type': 'object', 'properties': ..., 'required': [...]}."""
     fn: Callable[..., Any]
     """The function; its return value is shown to the model with `str()`."""
+    preflight: Callable[[], None] | None = None
+    """Checks, before any episode, that the tool can work on this machine; raises if not."""
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI-style function schema, as chat templates with native tool support take it."""
@@ -127,10 +137,11 @@ def _docstring_parts(doc: str) -> tuple[str, dict[str, str]]:
     return description, args
 
 
-def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:
-    """Make a `Tool` from a typed function (usable as `@tool` or `@tool(name=...)`)."""
+def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
+         preflight: Callable[[], None] | None = None) -> Any:
+    """Make a `Tool` from a typed function (usable as `@tool` or `@tool(name=..., preflight=...)`)."""
     if fn is None:
-        return lambda f: tool(f, name=name)
+        return lambda f: tool(f, name=name, preflight=preflight)
     description, arg_docs = _docstring_parts(fn.__doc__ or "")
     hints = typing.get_type_hints(fn)
     properties: dict[str, Any] = {}
@@ -146,7 +157,8 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> An
         else:
             prop["default"] = param.default
         properties[pname] = prop
-    return Tool(name or fn.__name__, description, {"type": "object", "properties": properties, "required": required}, fn)
+    return Tool(name or fn.__name__, description, {"type": "object", "properties": properties, "required": required}, fn,
+                preflight)
 
 
 def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
@@ -227,6 +239,8 @@ def execute_tool_call(call: ToolCall, tools: dict[str, Tool], max_chars: int = 2
     try:
         kwargs = {k: _coerce(v, props[k], k) for k, v in call.arguments.items()}
         out = t.fn(**kwargs)
+    except SandboxUnavailable:
+        raise  # the deployment's fault: the model must neither see it nor be scored on it
     except ToolError as e:
         return ToolResult(t.name, f"error: {e}"[:max_chars], False)
     except Exception as e:  # the tool's failure is the model's observation
@@ -321,15 +335,31 @@ def calculator(expression: str) -> str:
     return format_number(safe_eval_arithmetic(expression))
 
 
+def _python_tool_layers() -> tuple[str, ...]:
+    """Layers the `python` tool requires: all, unless the deployment declares its code trusted."""
+    return () if os.environ.get(TRUSTED_ENV) == "1" else sandbox.LAYERS
+
+
+@functools.cache
+def _sandbox_missing(require: tuple[str, ...]) -> dict[str, str]:
+    # One probe per process: a tool env is built per episode, the machine does not change.
+    return sandbox.missing_layers(require)
+
+
+def python_preflight() -> None:
+    """Raise `SandboxUnavailable`, naming the missing layers, if the `python` tool cannot run here."""
+    if missing := _sandbox_missing(_python_tool_layers()):
+        raise SandboxUnavailable(missing)
+
+
 def python(code: str) -> str:
     """Run a Python program in a sandbox and return what it printed.
 
     Args:
         code: a complete program; print the values you need.
     """
-    from tinker_pipelines.sandbox import run_python
-
-    result = run_python(code, timeout_s=PYTHON_TOOL_TIMEOUT_S, memory_mb=PYTHON_TOOL_MEMORY_MB)
+    result = sandbox.run_python(code, timeout_s=PYTHON_TOOL_TIMEOUT_S, memory_mb=PYTHON_TOOL_MEMORY_MB,
+                                require=_python_tool_layers())
     if result.timed_out:
         raise ToolError(f"timed out after {PYTHON_TOOL_TIMEOUT_S} s\n{result.stdout}")
     if result.exit_code != 0:
@@ -341,8 +371,10 @@ PYTHON_TOOL_TIMEOUT_S = 5.0
 """Wall-clock limit of one `python` tool call."""
 PYTHON_TOOL_MEMORY_MB = 256
 """Address-space limit of one `python` tool call."""
+TRUSTED_ENV = "TINKER_SANDBOX_TRUSTED"
+"""Set to 1 to let the `python` tool run with whatever isolation the machine gives (trusted code only)."""
 
-BUILTIN_TOOLS: dict[str, Tool] = {t.name: t for t in (tool(calculator), tool(python))}
+BUILTIN_TOOLS: dict[str, Tool] = {t.name: t for t in (tool(calculator), tool(python, preflight=python_preflight))}
 """The built-in tools by name."""
 
 

@@ -1,8 +1,10 @@
 """Checkpoint directories: written atomically, identified by a content hash, loaded safely.
 
 A checkpoint holds the weights (a PEFT adapter or full weights, in safetensors), `optimizer.pt`,
-`rng.pt` and `record.json` (config, base model, iteration, metrics, content hash). Tensors are
-loaded with `weights_only=True`, so a checkpoint cannot run code when it is opened.
+`rng.pt` and `record.json` (config, base model, iteration, metrics, content hash, and a manifest
+of every file's size and sha256). Tensors are loaded with `weights_only=True`, so a checkpoint
+cannot run code when it is opened. `record.json` is written last and is the commit marker: a
+directory without it is not a checkpoint.
 """
 
 from __future__ import annotations
@@ -24,17 +26,46 @@ RECORD = "record.json"
 _HASHED_SUFFIXES = (".safetensors",)
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, partial, corrupt or made for another experiment."""
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file and directory under `root` to disk, so a rename that follows cannot
+    publish a directory whose contents are still only in the page cache (power loss, kill -9 of a
+    VM)."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling directory that replaces `path` only if the block succeeds.
 
-    A crash mid-write leaves any previous checkpoint at `path` intact.
+    The contents are fsynced before the rename and the parent after it. A crash mid-write
+    leaves any previous checkpoint at `path` intact and only a hidden `.NAME.*` directory
+    behind (`remove_partial` clears those).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         yield tmp
+        _fsync_tree(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -43,8 +74,34 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
+        _fsync_dir(path.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_partial(parent: str | Path, prefix: str = "") -> list[Path]:
+    """Delete the hidden temporary directories that interrupted `atomic_directory` writes of
+    `parent/PREFIX*` left behind (restoring a previous version a kill left renamed aside);
+    returns what was removed."""
+    gone = []
+    for d in sorted(Path(parent).glob(f".{prefix}*.*")):
+        if not d.is_dir():
+            continue
+        target = d.with_name(d.name[1:-len(".old")]) if d.name.endswith(".old") else None
+        if target is not None and not target.exists():  # killed between the two renames of a rewrite
+            os.replace(d, target)
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        gone.append(d)
+    return gone
+
+
+def _sha256(f: Path) -> str:
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def content_hash(path: str | Path) -> str:
@@ -59,22 +116,59 @@ def content_hash(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def file_manifest(path: str | Path) -> dict[str, dict[str, Any]]:
+    """Every file of a checkpoint but its record: relative name -> size and sha256."""
+    path = Path(path)
+    return {f.relative_to(path).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)}
+            for f in sorted(path.rglob("*")) if f.is_file() and f.name != RECORD}
+
+
 def write_record(path: str | Path, record: dict[str, Any]) -> dict[str, Any]:
-    """Write `record.json` with the content hash added; returns the written record."""
-    record = {**record, "content_hash": content_hash(path)}
+    """Write `record.json` (last: it is the commit marker) with the content hash and the file
+    manifest added; returns the written record."""
+    record = {**record, "content_hash": content_hash(path), "files": file_manifest(path)}
     (Path(path) / RECORD).write_text(json.dumps(record, indent=2, sort_keys=True, default=str))
     return record
 
 
 def read_record(path: str | Path, verify: bool = True) -> dict[str, Any]:
-    """The checkpoint's record; with `verify`, fail if the weights do not match its hash."""
-    f = Path(path) / RECORD
+    """The checkpoint's record; with `verify`, fail (`CheckpointError`, naming the file) when a
+    file is missing, truncated or changed since the record was written."""
+    path = Path(path)
+    f = path / RECORD
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
     if not f.exists():
-        raise FileNotFoundError(f"{path} is not a checkpoint: no {RECORD}")
-    record = json.loads(f.read_text())
-    if verify and record.get("content_hash") != content_hash(path):
-        raise ValueError(f"checkpoint {path} is corrupt: weights do not match the recorded content hash")
+        raise CheckpointError(f"{path} is not a complete checkpoint: it has no {RECORD} (a write that never finished?)")
+    try:
+        record = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {RECORD} is not valid JSON ({e})") from None
+    if not isinstance(record, dict):
+        raise CheckpointError(f"checkpoint {path} is corrupt: {RECORD} is not a JSON object")
+    if not verify:
+        return record
+    for name, want in sorted(record.get("files", {}).items()):
+        g = path / name
+        if not g.is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+        if g.stat().st_size != want["size"]:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {name} has {g.stat().st_size} bytes, "
+                                  f"the record says {want['size']} (truncated?)")
+        if _sha256(g) != want["sha256"]:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its recorded sha256")
+    if record.get("content_hash") != content_hash(path):
+        raise CheckpointError(f"checkpoint {path} is corrupt: weights do not match the recorded content hash")
     return record
+
+
+def is_complete(path: str | Path) -> bool:
+    """Whether `path` is a checkpoint whose every file matches its record."""
+    try:
+        read_record(path, verify=True)
+        return True
+    except CheckpointError:
+        return False
 
 
 def rng_state() -> dict[str, Any]:

@@ -382,10 +382,24 @@ class Learner:
         path = Path(path)
         record = ckpt.read_record(path)
         if record.get("mode") != self.cfg.mode:
-            raise ValueError(f"checkpoint {path} was trained with mode={record.get('mode')!r}, not {self.cfg.mode!r}")
+            raise ckpt.CheckpointError(f"checkpoint {path} was trained with mode={record.get('mode')!r}, "
+                                       f"not {self.cfg.mode!r}")
+        if self.base_name and record.get("base_model") and record["base_model"] != self.base_name:
+            raise ckpt.CheckpointError(f"checkpoint {path} was made with model {record['base_model']!r}, "
+                                       f"not {self.base_name!r}")
+        try:
+            self._load_tensors(path)
+        except (RuntimeError, KeyError) as e:  # shapes or names of another architecture
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ckpt.CheckpointError(f"checkpoint {path} (made with model {record.get('base_model')!r}) does not "
+                                       f"fit this model: {first[:300]}") from None
+        return record
+
+    def _load_tensors(self, path: Path) -> None:
         if self.value_head is not None:
             if not (path / VALUE_HEAD_FILE).exists():
-                raise ValueError(f"checkpoint {path} has no {VALUE_HEAD_FILE}, but this learner trains a value head")
+                raise ckpt.CheckpointError(f"checkpoint {path} has no {VALUE_HEAD_FILE}, but this learner trains a "
+                                           "value head")
             self.value_head.load_state_dict(load_file(str(path / VALUE_HEAD_FILE), device=str(self.device)))
         if self.cfg.mode == "lora":
             from peft import set_peft_model_state_dict
@@ -399,9 +413,9 @@ class Learner:
                 state.update(load_file(str(f), device=str(self.device)))
             missing, unexpected = self.model.load_state_dict(state, strict=False)
             if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
-                raise ValueError(f"checkpoint {path} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+                raise ckpt.CheckpointError(f"checkpoint {path} does not fit the model: missing {missing[:3]}, "
+                                           f"unexpected {unexpected[:3]}")
         opt = torch.load(path / "optimizer.pt", weights_only=True, map_location=self.device)
         self.optimizer.load_state_dict(opt["optimizer"])
         self.steps = opt["steps"]
         ckpt.set_rng_state(torch.load(path / "rng.pt", weights_only=True))
-        return record

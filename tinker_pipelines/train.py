@@ -8,6 +8,7 @@ Dagster assets all run the same code and get the same numbers.
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import time
@@ -20,7 +21,7 @@ import torch
 from tinker_pipelines.algorithms.losses import LossConfig
 from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.config import Config, ConfigError, config_to_dict
-from tinker_pipelines.checkpoint import seed_everything
+from tinker_pipelines.checkpoint import atomic_directory, read_record, seed_everything, write_record
 from tinker_pipelines.datums import critic_datums, rl_datums, sft_datum
 from tinker_pipelines.learner import Learner, LearnerConfig
 from tinker_pipelines.models import base_identity, load_model, load_tokenizer, stop_token_ids
@@ -136,18 +137,23 @@ class Experiment:
         self.base_model.requires_grad_(False)
         return history
 
-    def save_base(self, path: str | Path) -> None:
-        """Write the (warm-started) base model and its tokenizer as a Hugging Face directory."""
-        self.base_model.save_pretrained(str(path))
-        self.tokenizer.save_pretrained(str(path))
+    def save_base(self, path: str | Path) -> dict[str, Any]:
+        """Write the (warm-started) base model and its tokenizer as a Hugging Face directory,
+        atomically, with a record of its files' hashes that `use_base` verifies."""
+        with atomic_directory(path) as tmp:
+            self.base_model.save_pretrained(str(tmp))
+            self.tokenizer.save_pretrained(str(tmp))
+            return write_record(tmp, {"kind": "sft_base", "base_model": self.cfg.model.name,
+                                      "config": config_to_dict(self.cfg)})
 
     def use_base(self, path: str | Path) -> None:
-        """Replace the base model by a warm-started one (`save_base`'s directory), on the
-        configured device and dtype."""
+        """Replace the base model by a warm-started one (`save_base`'s directory, its files
+        checked against their recorded hashes first), on the configured device and dtype."""
         from transformers import AutoModelForCausalLM
 
         from tinker_pipelines.models import resolve_device, resolve_dtype
 
+        read_record(path, verify=True)
         device = resolve_device(self.cfg.model.device)
         dtype = resolve_dtype(self.cfg.model.dtype, device)
         self.base_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
@@ -282,24 +288,47 @@ def deterministic_metrics(metrics: dict[str, float]) -> dict[str, float]:
 
 def train(cfg: Config, on_iteration: Callable[[dict[str, float]], None] | None = None,
           on_sft_step: Callable[[int, dict[str, float]], None] | None = None,
-          resume: bool = False, worker: "WorkerClient | str | None" = None) -> list[dict[str, float]]:
+          resume: bool = False, worker: "WorkerClient | str | None" = None,
+          overwrite: bool = False) -> list[dict[str, float]]:
     """SFT warm start (if configured), then `training.iterations` RL iterations; with `worker`,
     the RL iterations train on that resident worker (its base must be `output_dir/sft` when
     `sft.steps` > 0, so run the warm start first).
 
     Writes `metrics.jsonl`, `sft/` (the warm-started model) and `checkpoints/iter_XXXXX`
-    under `output_dir`; with `resume`, continues from the latest checkpoint there.
+    under `output_dir`; with `resume`, continues from the latest complete checkpoint there
+    (made with this config, else `CheckpointError`), with every finished iteration in
+    `metrics.jsonl` exactly once. A fresh run refuses a directory holding checkpoints unless
+    `overwrite` (which deletes them).
     """
+    from tinker_pipelines import run_dir
+
+    if resume and overwrite:
+        raise ConfigError("resume and overwrite exclude each other: resume continues the checkpoints overwrite deletes")
     if get_algorithm(cfg.algorithm.name).pairwise:  # preference pairs instead of RL iterations
         from tinker_pipelines.dpo import train_dpo
 
+        if overwrite:
+            run_dir.clear_run(cfg.output_dir)
         return train_dpo(cfg, on_iteration, on_sft_step, resume)
     out = Path(cfg.output_dir)
     ckpt_dir = out / "checkpoints"
     from tinker_pipelines.deepspeed_learner import is_main_process
 
     writer = is_main_process()  # under torchrun (training.deepspeed) every rank runs this loop; rank 0 writes files
-    latest = sorted(ckpt_dir.glob("iter_*")) if resume else []
+    if overwrite and writer:
+        run_dir.clear_run(out)
+    if resume:
+        latest = run_dir.prepare_resume(out, cfg) if writer else run_dir.latest_complete(out)[0]
+    else:
+        run_dir.check_fresh(out)
+        latest = None
+    if writer:  # before any model work: an output_dir that cannot be written fails here, not after training
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            if not os.access(out, os.W_OK):
+                raise PermissionError(f"[Errno 13] Permission denied: {str(out)!r}")
+        except OSError as e:
+            raise ConfigError(f"output_dir {out} cannot be written: {e}") from None
     if worker is not None:
         if cfg.sft.steps and not (out / "sft").is_dir():
             raise ConfigError(f"sft.steps is {cfg.sft.steps}: run the warm start without --worker first "
@@ -307,19 +336,21 @@ def train(cfg: Config, on_iteration: Callable[[dict[str, float]], None] | None =
         exp = Experiment(cfg, worker=worker, base=(out / "sft").resolve() if cfg.sft.steps else None)
     else:
         exp = Experiment(cfg)
-    if exp.worker is None and cfg.sft.steps and not latest:
+    if exp.worker is None and cfg.sft.steps and latest is None:
         exp.sft(on_sft_step)
         if writer:
             exp.save_base(out / "sft")
     elif exp.worker is None and cfg.sft.steps:
         exp.use_base(out / "sft")
     exp.start_rl()
-    if latest:
-        exp.resume(latest[-1])
+    if latest is not None:
+        exp.resume(latest)
+        if writer:
+            run_dir.restore_metrics(out, exp.iteration)
     else:
         out.mkdir(parents=True, exist_ok=True)
         if writer:
-            (out / "metrics.jsonl").write_text("")
+            (out / run_dir.METRICS).write_text("")
         if cfg.eval.every:
             before = {"iteration": -1.0, **exp.evaluate()}
             if writer:

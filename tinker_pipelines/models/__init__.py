@@ -88,6 +88,10 @@ def load_model(name: str, seed: int = 0, dtype: str | torch.dtype = torch.float3
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
 
+        from tinker_pipelines.checkpoint import RECORD, read_record
+
+        if (Path(name) / RECORD).exists():  # a warm-started base we wrote: its files must match their hashes
+            read_record(name, verify=True)
         tokenizer = load_tokenizer(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dt)
     return model.to(dev).eval(), tokenizer

@@ -1,0 +1,163 @@
+"""An output directory across crashes: which checkpoint to resume, whether it belongs to this
+config, and a `metrics.jsonl` that holds every finished iteration exactly once.
+
+The plain loop writes `checkpoints/iter_XXXXX` (atomically, record last) and then appends the
+iteration's line to `metrics.jsonl`. A kill can land between the two, or mid-line, or leave a
+hidden partial checkpoint; `prepare_resume` turns any of those states back into "iterations
+0..k-1 finished" before the loop goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+from tinker_pipelines.checkpoint import CheckpointError, is_complete, read_record, remove_partial
+from tinker_pipelines.config import Config, config_to_dict
+
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+# What a resumed run may change: how long it goes on, where it runs, and on which device.
+RESUMABLE_CHANGES = ("training.iterations", "output_dir", "model.device")
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
+    """The fields (dotted names) where `cfg` differs from a checkpoint's recorded config,
+    leaving out those a resume may change."""
+    now = _flat(json.loads(json.dumps(config_to_dict(cfg), default=str)))
+    then = _flat(json.loads(json.dumps(saved, default=str)))
+    keys = sorted(set(now) | set(then))
+    return [k for k in keys if now.get(k) != then.get(k) and k not in RESUMABLE_CHANGES
+            and not any(k.startswith(p + ".") for p in RESUMABLE_CHANGES)]
+
+
+def checkpoint_dirs(out: str | Path) -> list[Path]:
+    """`iter_*` directories under `out/checkpoints`, oldest first (complete or not)."""
+    return sorted((Path(out) / CHECKPOINTS).glob("iter_*"))
+
+
+def latest_complete(out: str | Path) -> tuple[Path | None, list[Path]]:
+    """The newest checkpoint whose files match its record, and the newer ones that do not
+    (partial or corrupt: never resumed from)."""
+    skipped = []
+    for d in reversed(checkpoint_dirs(out)):
+        if is_complete(d):
+            return d, skipped
+        skipped.append(d)
+    return None, skipped
+
+
+def check_fresh(out: str | Path) -> None:
+    """A fresh run must not start in a directory holding an earlier run's checkpoints: a later
+    `--resume` would pick them up, and overwriting them would lose them."""
+    found = checkpoint_dirs(out)
+    if found:
+        raise CheckpointError(f"output_dir {out} already holds {len(found)} checkpoint(s) of an earlier run "
+                              f"({found[0].name}..{found[-1].name}): resume it (--resume), choose another "
+                              f"output_dir, or start over (--overwrite deletes them)")
+
+
+def clear_run(out: str | Path) -> None:
+    """Delete an earlier run's checkpoints, metrics and warm-started base (`--overwrite`)."""
+    out = Path(out)
+    shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
+    shutil.rmtree(out / "sft", ignore_errors=True)
+    (out / METRICS).unlink(missing_ok=True)
+
+
+def check_resumable(path: Path, cfg: Config) -> dict[str, Any]:
+    """The record of checkpoint `path` after checking it was made with this config."""
+    record = read_record(path, verify=True)
+    diff = config_differences(record.get("config", {}), cfg)
+    if diff:
+        then = _flat(record.get("config", {}))
+        now = _flat(json.loads(json.dumps(config_to_dict(cfg), default=str)))
+        shown = ", ".join(f"{k} ({then.get(k)!r} -> {now.get(k)!r})" for k in diff[:4])
+        more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
+        raise CheckpointError(f"checkpoint {path} was made with another config: {shown}{more}; resume with the "
+                              f"config it was made with, or start a fresh output_dir")
+    return record
+
+
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line torn by a kill mid-write
+                continue
+    return rows
+
+
+def restore_metrics(out: str | Path, next_iteration: int) -> int:
+    """Rewrite `metrics.jsonl` to hold the starting evaluation (iteration -1) and iterations
+    0..next_iteration-1 once each, in order, taking any line a kill lost from that iteration's
+    checkpoint record; lines of iterations after the checkpoint are dropped (they run again).
+    Returns how many lines were recovered from checkpoints."""
+    out = Path(out)
+    log = out / METRICS
+    by_it: dict[int, dict[str, Any]] = {}
+    for row in _read_lines(log):
+        it = int(row.get("iteration", -2))
+        if -1 <= it < next_iteration:
+            by_it.setdefault(it, row)
+    recovered = 0
+    for it in range(next_iteration):
+        if it not in by_it:
+            ck = out / CHECKPOINTS / f"iter_{it:05d}"
+            metrics = read_record(ck, verify=False).get("metrics") if ck.is_dir() and is_complete(ck) else None
+            if metrics:
+                by_it[it] = metrics
+                recovered += 1
+    tmp = log.with_name(f".{log.name}.tmp")
+    with open(tmp, "w") as f:
+        for it in sorted(by_it):
+            f.write(json.dumps(by_it[it], sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, log)
+    return recovered
+
+
+def prepare_resume(out: str | Path, cfg: Config) -> Path | None:
+    """Clean up after a crash and return the checkpoint to resume from (None: nothing finished
+    yet, start from the beginning). Raises `CheckpointError` when checkpoints exist but none is
+    complete, or when the newest complete one was made with another config."""
+    ckpt_dir = Path(out) / CHECKPOINTS
+    if ckpt_dir.is_dir():
+        remove_partial(ckpt_dir, "iter_")
+    if Path(out).is_dir():
+        remove_partial(out, "sft")
+    latest, skipped = latest_complete(out)
+    if latest is None and skipped:
+        raise CheckpointError(f"no complete checkpoint in {ckpt_dir}: {', '.join(p.name for p in skipped[:3])} "
+                              f"failed verification ({_why(skipped[0])})")
+    for bad in skipped:  # newer than the one resumed from: the loop writes them again
+        warnings.warn(f"skipping {bad}: {_why(bad)}", stacklevel=2)
+    if latest is None:
+        return None
+    check_resumable(latest, cfg)
+    return latest
+
+
+def _why(path: Path) -> str:
+    try:
+        read_record(path, verify=True)
+        return "ok"
+    except CheckpointError as e:
+        return str(e)

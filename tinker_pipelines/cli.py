@@ -21,23 +21,92 @@ def _fmt(metrics: dict[str, float]) -> str:
     return " ".join(parts)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+def _one_line(text: object) -> str:
+    """A message as one line: a wrapped or multi-line message must not look like several errors."""
+    return "; ".join(line.strip() for line in str(text).splitlines() if line.strip()) or "(no message)"
 
+
+def _yaml_problem(path: str, e: Exception) -> str:
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(e, "problem", None) or getattr(e, "context", None) or e
+    return f"config file {path} is not valid YAML: {problem}{where}"
+
+
+def _describe(e: BaseException, stage: str, output_dir: str | None) -> tuple[str, int]:
+    """(the one-line message, the exit status) for a fault that ended `train`.
+
+    The project's errors already name their cause (the field, the environment, the checkpoint),
+    so they are printed as they are; anything else keeps its type, so it can be searched for."""
+    import yaml
+
+    from tinker_pipelines.envs import EnvError
+    from tinker_pipelines.worker import WorkerError
+
+    # The checkpoint module imports torch: look its error class up only once something failed.
+    checkpoint_error = getattr(sys.modules.get("tinker_pipelines.checkpoint"), "CheckpointError", None)
+    if isinstance(e, KeyboardInterrupt):
+        kept = f"; checkpoints written so far are kept in {output_dir}" if output_dir else ""
+        return f"interrupted{kept}", 130
+    if isinstance(e, yaml.YAMLError):
+        return _yaml_problem(stage.partition(" ")[2], e), 2
+    if isinstance(e, ConfigError) or stage.startswith("config") and isinstance(e, ValueError):
+        return str(e), 2
+    if checkpoint_error is not None and isinstance(e, checkpoint_error):
+        return str(e), 1
+    if isinstance(e, (EnvError, WorkerError)):
+        return str(e), 1
+    if isinstance(e, OSError):
+        where = "cannot read the config file" if stage.startswith("config") else \
+            f"a file under output_dir {output_dir} could not be written or read"
+        detail = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
+        return f"{where}: {detail}", 1
+    if _write_failed(e):
+        return f"writing a checkpoint under output_dir {output_dir} failed: {e}", 1
+    if isinstance(e, ValueError):  # the library's own ValueErrors (context overflow, checkpoints) name their cause
+        return str(e), 1
+    return f"{type(e).__name__}: {e}", 1
+
+
+def _write_failed(e: BaseException) -> bool:
+    """Whether `e` is a failed file write that its library reports as its own error type
+    (safetensors' SafetensorError, torch's PytorchStreamWriter), e.g. on a full disk."""
+    return type(e).__module__.startswith("safetensors") or "PytorchStreamWriter failed" in str(e)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    stage, output_dir = f"config {args.config}", None
+    bars: list = []
     try:
         cfg = load_config(args.config)
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.output_dir:
-        from dataclasses import replace
+        if args.output_dir:
+            from dataclasses import replace
 
-        cfg = replace(cfg, output_dir=args.output_dir)
+            cfg = replace(cfg, output_dir=args.output_dir)
+        output_dir, stage = cfg.output_dir, "train"
+        _train(args, cfg, bars)
+    except (Exception, KeyboardInterrupt) as e:
+        if args.traceback:
+            raise
+        for bar in bars:  # end the progress lines, so the error starts a line of its own
+            bar.close()
+        message, status = _describe(e, stage, output_dir)
+        print(f"error: {_one_line(message)}", file=sys.stderr)
+        return status
+    for bar in bars:
+        bar.close()
+    print(f"done: checkpoints and metrics.jsonl in {cfg.output_dir}")
+    return 0
+
+
+def _train(args: argparse.Namespace, cfg, bars: list) -> None:
+    from tqdm import tqdm
+
     from tinker_pipelines.train import train
-    from tinker_pipelines.worker import WorkerError
 
     sft_bar = tqdm(total=cfg.sft.steps, desc="sft", unit="step", disable=not cfg.sft.steps, file=sys.stderr)
     rl_bar = tqdm(total=cfg.training.iterations, desc="rl", unit="it", file=sys.stderr)
+    bars += [sft_bar, rl_bar]
 
     def on_sft(step: int, m: dict[str, float]) -> None:
         sft_bar.update(1)
@@ -48,15 +117,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             rl_bar.update(1)
         tqdm.write(_fmt(m), file=sys.stdout)
 
-    try:
-        train(cfg, on_iteration=on_iter, on_sft_step=on_sft, resume=args.resume, worker=args.worker or None)
-    except (WorkerError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    sft_bar.close()
-    rl_bar.close()
-    print(f"done: checkpoints and metrics.jsonl in {cfg.output_dir}")
-    return 0
+    train(cfg, on_iteration=on_iter, on_sft_step=on_sft, resume=args.resume, worker=args.worker or None,
+          overwrite=args.overwrite)
 
 
 def default_socket(model: str, device: str) -> Path:
@@ -121,7 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", help="path to the YAML config")
     p.add_argument("--output-dir", help="override output_dir")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in an output_dir that holds an earlier run (deletes its checkpoints and metrics)")
     p.add_argument("--worker", help="train on the resident worker listening at this socket (LoRA)")
+    p.add_argument("--traceback", action="store_true",
+                   help="on an error, raise it with its traceback instead of printing one line (debugging)")
     p.set_defaults(func=cmd_train)
     w = sub.add_parser("worker", help="a resident worker: one base model on one device, many experiments' adapters")
     w.add_argument("--model", default="tiny", help="catalog name or model directory (the base every adapter shares)")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,25 +74,47 @@ class EnvSpec:
         return cls
 
     def build(self) -> Env:
-        """A fresh environment instance."""
+        """A fresh environment instance; `ValueError` when `kwargs` do not fit the constructor (or
+        the constructor refuses them with a `ValueError`), `EnvError` naming the env when the
+        constructor fails in any other way."""
         cls = self.resolve()
         try:
-            return cls(**self.kwargs)
+            inspect.signature(cls).bind(**self.kwargs)
         except TypeError as e:
-            raise ValueError(f"env.kwargs do not fit {self.path!r}: {e}") from e
+            raise ValueError(f"env.kwargs {self.kwargs!r} do not fit {self.path!r}: {e}") from None
+        except ValueError:  # no signature to check: calling it will tell
+            pass
+        try:
+            return cls(**self.kwargs)
+        except ValueError:  # how an env refuses its arguments; its message names them
+            raise
+        except Exception as e:
+            raise EnvError(f"environment {cls.__name__} ({self.path!r}) raised in its constructor: "
+                           f"{type(e).__name__}: {e}") from e
 
 
 def checked_step(env: Env, action: str) -> StepResult:
-    """`env.step`, with crashes and non-finite rewards reported as `EnvError` naming the env."""
+    """`env.step`, with crashes and broken results reported as `EnvError` naming the env."""
     name = type(env).__name__
     try:
         result = env.step(action)
     except Exception as e:  # an env bug must not look like a policy failure
         raise EnvError(f"environment {name} raised in step(): {type(e).__name__}: {e}") from e
     if not isinstance(result, StepResult):
-        raise EnvError(f"environment {name}.step() returned {type(result).__name__}, not StepResult")
-    if not isinstance(result.reward, (int, float)) or not math.isfinite(result.reward):
-        raise EnvError(f"environment {name} returned a non-finite reward {result.reward!r}")
+        hint = " (a Gym-style tuple? return StepResult(observation, reward, done, info))" \
+            if isinstance(result, tuple) else ""
+        raise EnvError(f"environment {name}.step() returned {type(result).__name__} {result!r:.100}, "
+                       f"not StepResult{hint}")
+    r = result.reward
+    if not isinstance(r, numbers.Real):  # a str, None or a tensor would fail far from here, in the loss
+        raise EnvError(f"environment {name}.step() returned reward {r!r:.100} of type {type(r).__name__}; "
+                       "a reward must be a float")
+    if not math.isfinite(r):
+        raise EnvError(f"environment {name} returned a non-finite reward {r!r}")
+    if not isinstance(result.observation, list):
+        raise EnvError(f"environment {name}.step() returned an observation of type "
+                       f"{type(result.observation).__name__}, not a list of messages: {result.observation!r:.100}")
+    _check_messages(env, result.observation)
     return result
 
 
@@ -100,6 +124,9 @@ def checked_reset(env: Env, seed: int | None) -> Observation:
         obs = env.reset(seed=seed)
     except Exception as e:
         raise EnvError(f"environment {type(env).__name__} raised in reset(): {type(e).__name__}: {e}") from e
+    if not isinstance(obs, list) or not obs:
+        raise EnvError(f"environment {type(env).__name__}.reset() returned {type(obs).__name__} {obs!r:.100}, "
+                       "expected a non-empty list of {'role': str, 'content': str} messages")
     _check_messages(env, obs)
     return obs
 

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tinker_pipelines.envs.base import Env, EnvSpec, checked_reset, checked_step
 from tinker_pipelines.models import render_chat
-from tinker_pipelines.rollout.sampler import Sampler
+from tinker_pipelines.rollout.sampler import ContextOverflowError, Sampler
 from tinker_pipelines.types import Message, Trajectory, TrajectoryGroup, Turn
 
 
@@ -83,10 +83,11 @@ def run_episodes(sampler: Sampler, tokenizer: PreTrainedTokenizerBase, envs: lis
             for e in live:
                 if len(e.context) + cfg.max_new_tokens > sampler.max_context:
                     if not e.turns:
-                        raise ValueError(
+                        raise ContextOverflowError(
                             f"the first prompt of {type(e.env).__name__} (task {e.task_id}) has "
                             f"{len(e.context)} tokens; with max_new_tokens={cfg.max_new_tokens} "
-                            f"it exceeds the model context of {sampler.max_context}")
+                            f"it exceeds the model context of {sampler.max_context}; "
+                            "shorten the prompt or lower training.max_new_tokens")
                     e.stop_reason = "context_overflow"
             live = [e for e in live if e.stop_reason is None]
             if not live:

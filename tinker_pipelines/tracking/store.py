@@ -8,6 +8,7 @@ local disk for loading.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 from typing import Any, Protocol
@@ -74,8 +75,20 @@ class LocalStore:
         return self.path(key)
 
 
+class ArtifactStoreError(OSError):
+    """The artifact store cannot be reached or refuses a request; the message names the bucket and the cause."""
+
+
+_CREDENTIAL_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
+                     "InvalidToken", "InvalidClientTokenId", "AuthorizationHeaderMalformed")
+
+
 class S3Store:
-    """`s3://bucket/prefix` through boto3; `endpoint_url` for MinIO, moto, other S3-compatibles."""
+    """`s3://bucket/prefix` through boto3; `endpoint_url` for MinIO, moto, other S3-compatibles.
+
+    botocore's errors are turned into `ArtifactStoreError` naming the bucket (a missing bucket,
+    refused credentials, an unreachable endpoint) and a missing object into `FileNotFoundError`,
+    as `LocalStore` does."""
 
     def __init__(self, uri: str, endpoint_url: str | None = None, cache_dir: str | Path = ".tinker/cache",
                  **client_kwargs: Any):
@@ -86,7 +99,36 @@ class S3Store:
             raise ValueError(f"artifact store uri must look like s3://bucket/prefix, got {uri!r}")
         self.bucket, self.prefix = u.netloc, u.path.strip("/")
         self.cache_dir = Path(cache_dir)
+        self.endpoint_url = endpoint_url
         self.client = boto3.client("s3", endpoint_url=endpoint_url or None, **client_kwargs)
+
+    @contextlib.contextmanager
+    def _errors(self, key: str):
+        import botocore.exceptions as be
+        from boto3.exceptions import S3TransferFailedError, S3UploadFailedError
+
+        where = f"s3://{self.bucket}" + (f" at {self.endpoint_url}" if self.endpoint_url else "")
+        try:
+            yield
+        except (be.NoCredentialsError, be.PartialCredentialsError) as e:
+            raise ArtifactStoreError(f"no usable AWS credentials for {where} ({e}); set AWS_ACCESS_KEY_ID "
+                                     "and AWS_SECRET_ACCESS_KEY or a profile") from None
+        except be.EndpointConnectionError as e:
+            raise ArtifactStoreError(f"cannot reach the S3 endpoint for {where}: {e}") from None
+        except (be.ClientError, S3UploadFailedError, S3TransferFailedError) as e:
+            # boto3's transfer errors wrap the ClientError that says what went wrong
+            cause = e if isinstance(e, be.ClientError) else e.__cause__ or e.__context__
+            err = cause.response.get("Error", {}) if isinstance(cause, be.ClientError) else {}
+            code, msg = str(err.get("Code", "")), err.get("Message", "") or str(e)
+            if code == "NoSuchBucket":
+                raise ArtifactStoreError(f"S3 bucket {self.bucket!r} does not exist ({where}); create it or fix the "
+                                         "artifact store URI") from None
+            if code in _CREDENTIAL_CODES or code == "403":
+                raise ArtifactStoreError(f"S3 refused the credentials for {where} ({code}: {msg}); check "
+                                         "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket's policy") from None
+            if code in ("NoSuchKey", "404"):
+                raise FileNotFoundError(f"no object {self.uri(key)!r} in the artifact store") from None
+            raise ArtifactStoreError(f"S3 request for {self.uri(key)} failed ({code or type(e).__name__}: {msg})") from None
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -95,14 +137,17 @@ class S3Store:
         return f"s3://{self.bucket}/{self._key(key)}"
 
     def put_bytes(self, key: str, data: bytes) -> str:
-        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+        with self._errors(key):
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
         return self.uri(key)
 
     def get_bytes(self, key: str) -> bytes:
-        return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        with self._errors(key):
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
 
     def exists(self, key: str) -> bool:
-        resp = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._key(key), MaxKeys=1)
+        with self._errors(key):
+            resp = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._key(key), MaxKeys=1)
         return resp.get("KeyCount", 0) > 0
 
     def put_dir(self, local: Path, key: str) -> str:
@@ -110,8 +155,9 @@ class S3Store:
         mid-upload never leaves a record beside missing tensors (the record is the commit marker)."""
         local = Path(local)
         files = sorted((f for f in local.rglob("*") if f.is_file()), key=lambda f: (f == local / RECORD, f))
-        for f in files:
-            self.client.upload_file(str(f), self.bucket, self._key(f"{key}/{f.relative_to(local).as_posix()}"))
+        with self._errors(key):
+            for f in files:
+                self.client.upload_file(str(f), self.bucket, self._key(f"{key}/{f.relative_to(local).as_posix()}"))
         return self.uri(key)
 
     def local_dir(self, key: str) -> Path:
@@ -119,12 +165,13 @@ class S3Store:
         dest = self.cache_dir / self.bucket / self._key(key)
         prefix = self._key(key).rstrip("/") + "/"
         found = False
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
-            for obj in page.get("Contents", []):
-                found = True
-                target = dest / obj["Key"][len(prefix):]
-                target.parent.mkdir(parents=True, exist_ok=True)
-                self.client.download_file(self.bucket, obj["Key"], str(target))
+        with self._errors(key):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+                for obj in page.get("Contents", []):
+                    found = True
+                    target = dest / obj["Key"][len(prefix):]
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    self.client.download_file(self.bucket, obj["Key"], str(target))
         if not found:
             raise FileNotFoundError(f"no directory {self.uri(key)!r} in the artifact store")
         return dest

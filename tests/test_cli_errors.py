@@ -1,0 +1,246 @@
+"""`tinker-pipelines train` on bad input: one `error: ...` line on stderr naming the cause, a
+non-zero exit, never a traceback, and nothing already saved is lost. Each test is a row of
+docs/bad_input.md. A few run the real command in a subprocess (the path a user takes, where an
+escaping exception would print a traceback); the rest call `cli.main` in this process, which is
+the same code without the interpreter start."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tinker_pipelines import cli
+
+ENVS = textwrap.dedent('''
+    import resource
+
+    from tinker_pipelines.envs import Env
+    from tinker_pipelines.types import StepResult
+
+
+    class Fine(Env):
+        def reset(self, seed=None):
+            self._seed = seed
+            return [{"role": "user", "content": "Say 1."}]
+
+        def step(self, action):  # uniform rewards: no gradient, so no optimizer step to wait for
+            return StepResult([], 1.0, True, {})
+
+
+    class StepCrash(Fine):
+        def step(self, action):
+            raise KeyError("no such cell")
+
+
+    class TupleStep(Fine):
+        def step(self, action):
+            return [], 1.0, True, {}
+
+
+    class LongPrompt(Fine):
+        def reset(self, seed=None):
+            self._seed = seed
+            return [{"role": "user", "content": "x " * 3000}]
+
+
+    class CtorCrash(Fine):
+        def __init__(self):
+            raise FileNotFoundError("tasks.csv")
+
+
+    class BrokenSFT(Fine):
+        @staticmethod
+        def sft_examples(n, seed=0):
+            return [1 / 0]
+
+
+    class Counted(Fine):
+        """Fine, until its `trigger`-th step (eval before training: 1 step, then 2 per iteration)."""
+        calls, trigger = 0, 4
+
+        def step(self, action):
+            type(self).calls += 1
+            if type(self).calls == self.trigger:
+                self.fault()
+            return super().step(action)
+
+
+    class DiskFills(Counted):
+        def fault(self):  # from now on no file may grow past 1 KiB: writes fail with EFBIG
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
+
+
+    class CtrlC(Counted):
+        def fault(self):
+            raise KeyboardInterrupt
+''')
+
+TINY = {"model": {"name": "tiny"}, "env": {"path": "cli_fault_envs:Fine"},
+        "training": {"iterations": 1, "groups_per_batch": 1, "group_size": 2, "max_new_tokens": 2},
+        "eval": {"every": 100, "num_tasks": 1}}
+
+
+@pytest.fixture(scope="module")
+def envs_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli_envs")
+    (d / "cli_fault_envs.py").write_text(ENVS)
+    mp = pytest.MonkeyPatch()
+    mp.syspath_prepend(str(d))
+    yield d
+    mp.undo()
+
+
+def config(tmp_path: Path, **sections) -> Path:
+    data = {k: dict(v) for k, v in TINY.items()}
+    for k, v in sections.items():
+        data[k] = {**data.get(k, {}), **v} if isinstance(v, dict) else v
+    data.setdefault("output_dir", str(tmp_path / "out"))
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def run_cli(args: list[str], envs_dir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(envs_dir), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "tinker_pipelines", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def main(argv: list[str], capsys) -> tuple[int, str]:
+    rc = cli.main(argv)
+    return rc, capsys.readouterr().err
+
+
+def error_line(stderr: str, *fragments: str) -> str:
+    """The single `error:` line, which ends stderr; progress bars and warnings may come before it."""
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], stderr
+    for f in fragments:
+        assert f in errors[0], errors[0]
+    return errors[0]
+
+
+# -- through the real command -------------------------------------------------------------------
+
+def test_yaml_syntax_error(tmp_path, envs_dir):
+    path = tmp_path / "broken.yaml"
+    path.write_text("seed: 0\ntraining: {iterations: 1\neval: {every: 1}\n")
+    p = run_cli(["train", str(path)], envs_dir)
+    assert p.returncode == 2
+    error_line(p.stderr, f"config file {path} is not valid YAML", "line 3")
+
+
+def test_env_crash_after_the_model_loads(tmp_path, envs_dir):
+    p = run_cli(["train", str(config(tmp_path, env={"path": "cli_fault_envs:StepCrash"}))], envs_dir)
+    assert p.returncode == 1
+    error_line(p.stderr, "error: environment StepCrash raised in step(): KeyError: 'no such cell'")
+
+
+def test_disk_fills_while_a_checkpoint_is_written(tmp_path, envs_dir):
+    out = tmp_path / "out"
+    cfg = config(tmp_path, env={"path": "cli_fault_envs:DiskFills"}, training={"iterations": 2})
+    p = run_cli(["train", str(cfg)], envs_dir)
+    assert p.returncode == 1
+    error_line(p.stderr, f"writing a checkpoint under output_dir {out} failed", "File too large")
+    from tinker_pipelines.checkpoint import read_record
+
+    # iteration 1's half-written checkpoint is gone; iteration 0's is whole and its metrics kept
+    assert sorted(q.name for q in (out / "checkpoints").iterdir()) == ["iter_00000"]
+    assert read_record(out / "checkpoints" / "iter_00000")["iteration"] == 1
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in lines] == [-1, 0]
+
+
+# -- the same code in this process --------------------------------------------------------------
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Config faults must be reported before any model loads."""
+    import tinker_pipelines.models as models
+    import tinker_pipelines.train as train
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    for module in (models, train):
+        monkeypatch.setattr(module, "load_model", boom)
+
+
+@pytest.mark.parametrize("sections,message", [
+    ({"training": {"learning_rte": 1e-3}}, "unknown field training.learning_rte"),
+    ({"training": {"iterations": "ten"}}, "training.iterations must be int, got 'ten'"),
+    ({"training": {"group_size": 0}}, "training.group_size must be >= 1, got 0"),
+    ({"algorithm": {"name": "reinforce9"}}, "algorithm.name 'reinforce9' is unknown"),
+    ({"model": {"name": "/no/such/model"}}, "model.name '/no/such/model' is neither"),
+    ({"training": {"deepspeed": {"stage": 2}}}, "training.mode must be 'full' with training.deepspeed.stage 2"),
+    ({"env": {"path": "cli_fault_envs:Fine", "kwargs": {"level": 3}}}, "env.kwargs {'level': 3} do not fit"),
+    ({"sft": {"steps": 5}}, "sft.steps is 5 but env 'cli_fault_envs:Fine' has no sft_examples()"),
+])
+def test_config_faults(tmp_path, envs_dir, no_model, capsys, sections, message):
+    rc, err = main(["train", str(config(tmp_path, **sections))], capsys)
+    assert rc == 2
+    error_line(err, f"error: {message}")
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_config_file_faults(tmp_path, no_model, capsys):
+    cases = {tmp_path / "missing.yaml": f"error: config file {tmp_path / 'missing.yaml'} does not exist",
+             tmp_path: f"error: cannot read the config file: Is a directory: {tmp_path}"}
+    (tmp_path / "list.yaml").write_text("- seed: 0\n")
+    cases[tmp_path / "list.yaml"] = "error: config must be a mapping, got list"
+    for path, message in cases.items():
+        rc, err = main(["train", str(path)], capsys)
+        assert rc != 0 and error_line(err) == message
+
+
+def test_output_dir_that_cannot_be_written(tmp_path, envs_dir, no_model, capsys):
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "run"  # a directory under a file: refused even for root
+    rc, err = main(["train", str(config(tmp_path, output_dir=str(out)))], capsys)
+    assert rc == 2
+    error_line(err, f"error: output_dir {out} cannot be written: [Errno 20] Not a directory")
+
+
+@pytest.mark.parametrize("env_path,message", [
+    ("TupleStep", "environment TupleStep.step() returned tuple ([], 1.0, True, {}), not StepResult (a Gym-style"),
+    ("LongPrompt", "the first prompt of LongPrompt (task 10000000) has"),
+    ("CtorCrash", "environment CtorCrash ('cli_fault_envs:CtorCrash') raised in its constructor: "
+                  "FileNotFoundError: tasks.csv"),
+])
+def test_env_faults(tmp_path, envs_dir, capsys, env_path, message):
+    rc, err = main(["train", str(config(tmp_path, env={"path": f"cli_fault_envs:{env_path}"}))], capsys)
+    assert rc == 1
+    line = error_line(err, f"error: {message}")
+    if env_path == "LongPrompt":
+        assert "exceeds the model context of 1024" in line
+
+
+def test_ctrl_c_keeps_what_was_saved(tmp_path, envs_dir, capsys):
+    import cli_fault_envs
+
+    cli_fault_envs.CtrlC.calls = 0
+    out = tmp_path / "out"
+    rc, err = main(["train", str(config(tmp_path, env={"path": "cli_fault_envs:CtrlC"}, training={"iterations": 2}))],
+                   capsys)
+    assert rc == 130
+    error_line(err, f"error: interrupted; checkpoints written so far are kept in {out}")
+    assert sorted(q.name for q in (out / "checkpoints").iterdir()) == ["iter_00000"]
+    assert [json.loads(m)["iteration"] for m in (out / "metrics.jsonl").read_text().splitlines()] == [-1, 0]
+
+
+def test_unexpected_error_is_one_line_with_its_type(tmp_path, envs_dir, capsys):
+    cfg = config(tmp_path, env={"path": "cli_fault_envs:BrokenSFT"}, sft={"steps": 1})
+    rc, err = main(["train", str(cfg)], capsys)
+    assert rc == 1
+    error_line(err, "error: ZeroDivisionError: division by zero")
+    with pytest.raises(ZeroDivisionError):  # --traceback: the exception itself, for debugging
+        cli.main(["train", str(cfg), "--traceback"])

@@ -2,8 +2,8 @@
 uninterrupted run of the same config.
 
 Each trial starts training in a child process, waits until it reaches a chosen moment (the n-th
-rollout, optimizer update, checkpoint write, the instant after a checkpoint, or between
-iterations/runs), sends SIGKILL to its process group after a random delay inside that moment,
+rollout, optimizer update, checkpoint write, the instant after a checkpoint or after its registry
+version is created, or between iterations/runs), sends SIGKILL to its process group after a random delay inside that moment,
 and then resumes the way a user would: `train(cfg, resume=True)` for the plain loop, and for a
 Dagster run `assets.launch.resume_iterations` (the dead run is marked failed and re-executed from
 failure). The child reports the moments it enters over a pipe; nothing in the library changes for
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 PLAIN_MOMENTS = ("rollout", "update", "checkpoint_write", "after_checkpoint", "between_iterations")
-DAGSTER_MOMENTS = ("rollout", "update", "checkpoint_write", "after_checkpoint", "between_runs")
+DAGSTER_MOMENTS = ("rollout", "update", "checkpoint_write", "after_checkpoint", "after_register", "between_runs")
 WRITE_PAUSE_S = 0.04
 
 PLAIN = {
@@ -85,6 +85,10 @@ def _install_probes(fd: int, dagster: bool) -> None:
         setattr(owner, name, slow)
     if dagster:  # between runs: assets.launch calls dg.execute_job once per iteration
         import dagster as dg
+
+        from tinker_pipelines.tracking import Tracker
+
+        wrap(Tracker, "register_adapter", after="after_register")  # a version exists, its materialization not yet
 
         orig_exec = dg.execute_job
 
@@ -286,7 +290,7 @@ def trial(kind: str, cfg: dict, ref: dict, work: Path, i: int, rng: random.Rando
     # between iterations/runs: not after the last one, where nothing is left to resume
     n = {"between_runs": lambda: rng.randrange(1, len(gaps)),
          "between_iterations": lambda: rng.randrange(len(gaps) - 1)}.get(moment, lambda: rng.randrange(len(gaps)))()
-    delay = 0.0 if moment in ("after_checkpoint", "between_iterations", "between_runs") else rng.uniform(0, 0.9 * gaps[n])
+    delay = 0.0 if moment in ("after_checkpoint", "after_register", "between_iterations", "between_runs") else rng.uniform(0, 0.9 * gaps[n])
     out = work / f"{kind}-{i}"
     proc, r = _spawn(kind, cfg, out, resume=False)
     _, killed = _watch(proc, r, (moment, n), delay)

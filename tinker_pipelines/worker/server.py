@@ -58,16 +58,20 @@ class WorkerServer:
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
-        path = Path(self.address)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():  # a stale socket of a dead worker; a live one would still accept
-            path.unlink()
-        old_umask = os.umask(0o077)
+        path, key = Path(self.address), key_path(self.address)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # an existing directory keeps its mode
+        for stale in (path, key):  # of a dead worker; a live one would still accept
+            if stale.is_symlink() or stale.exists():
+                stale.unlink()
+        old_umask = os.umask(0o077)  # bind() creates the socket owner-only: no moment where others may connect
         try:
             self._listener = Listener(self.address, family="AF_UNIX")
-            key = key_path(self.address)
-            key.write_bytes(self.authkey)
-            os.chmod(key, 0o600)
+            os.chmod(path, 0o600)
+            # O_EXCL | O_NOFOLLOW: never write through a link planted at the key's path (a shared directory)
+            # after the unlink above; starting fails instead.
+            fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with open(fd, "wb") as f:
+                f.write(self.authkey)
         finally:
             os.umask(old_umask)
         threading.Thread(target=self._compute_loop, name="worker-compute", daemon=True).start()

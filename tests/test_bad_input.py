@@ -121,9 +121,9 @@ class CtorCrashEnv(CrashingEnv):
     (ResetCrashEnv, "ResetCrashEnv raised in reset(): FileNotFoundError: tasks.jsonl"),
     (StringResetEnv, "StringResetEnv.reset() returned str 'What is 2 + 2?', expected a non-empty list"),
     (CtorCrashEnv, f"CtorCrashEnv ('{__name__}:CtorCrashEnv') raised in its constructor: ZeroDivisionError"),
-], ids=lambda v: v.__name__ if isinstance(v, type) else "")
-def test_env_failures_are_reported_naming_the_env(tiny, env_cls, message):
-    model, tok = tiny
+], ids=lambda v: v.__name__ if isinstance(v, type) else "message")
+def test_env_failures_are_reported_naming_the_env(_tiny_pristine, env_cls, message):
+    model, tok = _tiny_pristine  # sampling only reads the weights: no copy per case
     sampler = Sampler(model, tok.pad_token_id, stop_token_ids(tok))
     spec = EnvSpec(f"{__name__}:{env_cls.__name__}")
     with pytest.raises(EnvError) as e:

@@ -19,8 +19,6 @@ import yaml
 from tinker_pipelines import cli
 
 ENVS = textwrap.dedent('''
-    import resource
-
     from tinker_pipelines.envs import Env
     from tinker_pipelines.types import StepResult
 
@@ -61,25 +59,15 @@ ENVS = textwrap.dedent('''
             return [1 / 0]
 
 
-    class Counted(Fine):
-        """Fine, until its `trigger`-th step (eval before training: 1 step, then 2 per iteration)."""
-        calls, trigger = 0, 4
+    class CtrlC(Fine):
+        """Ctrl-C at the 4th step: in iteration 1 (the eval before training takes 1, each iteration 2)."""
+        calls = 0
 
         def step(self, action):
             type(self).calls += 1
-            if type(self).calls == self.trigger:
-                self.fault()
+            if type(self).calls == 4:
+                raise KeyboardInterrupt
             return super().step(action)
-
-
-    class DiskFills(Counted):
-        def fault(self):  # from now on no file may grow past 1 KiB: writes fail with EFBIG
-            resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
-
-
-    class CtrlC(Counted):
-        def fault(self):
-            raise KeyboardInterrupt
 ''')
 
 TINY = {"model": {"name": "tiny"}, "env": {"path": "cli_fault_envs:Fine"},
@@ -107,10 +95,10 @@ def config(tmp_path: Path, **sections) -> Path:
     return path
 
 
-def run_cli(args: list[str], envs_dir: Path) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], envs_dir: Path, preexec_fn=None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(envs_dir), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-m", "tinker_pipelines", *args], capture_output=True, text=True,
-                          env=env, timeout=300)
+                          env=env, timeout=300, preexec_fn=preexec_fn)
 
 
 def main(argv: list[str], capsys) -> tuple[int, str]:
@@ -143,21 +131,6 @@ def test_env_crash_after_the_model_loads(tmp_path, envs_dir):
     p = run_cli(["train", str(config(tmp_path, env={"path": "cli_fault_envs:StepCrash"}))], envs_dir)
     assert p.returncode == 1
     error_line(p.stderr, "error: environment StepCrash raised in step(): KeyError: 'no such cell'")
-
-
-def test_disk_fills_while_a_checkpoint_is_written(tmp_path, envs_dir):
-    out = tmp_path / "out"
-    cfg = config(tmp_path, env={"path": "cli_fault_envs:DiskFills"}, training={"iterations": 2})
-    p = run_cli(["train", str(cfg)], envs_dir)
-    assert p.returncode == 1
-    error_line(p.stderr, f"writing a checkpoint under output_dir {out} failed", "File too large")
-    from tinker_pipelines.checkpoint import read_record
-
-    # iteration 1's half-written checkpoint is gone; iteration 0's is whole and its metrics kept
-    assert sorted(q.name for q in (out / "checkpoints").iterdir()) == ["iter_00000"]
-    assert read_record(out / "checkpoints" / "iter_00000")["iteration"] == 1
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["iteration"] for m in lines] == [-1, 0]
 
 
 # -- the same code in this process --------------------------------------------------------------
@@ -215,7 +188,7 @@ def test_output_dir_that_cannot_be_written(tmp_path, envs_dir, no_model, capsys)
     ("LongPrompt", "the first prompt of LongPrompt (task 10000000) has"),
     ("CtorCrash", "environment CtorCrash ('cli_fault_envs:CtorCrash') raised in its constructor: "
                   "FileNotFoundError: tasks.csv"),
-])
+], ids=["tuple-step", "long-prompt", "constructor"])
 def test_env_faults(tmp_path, envs_dir, capsys, env_path, message):
     rc, err = main(["train", str(config(tmp_path, env={"path": f"cli_fault_envs:{env_path}"}))], capsys)
     assert rc == 1
@@ -244,3 +217,98 @@ def test_unexpected_error_is_one_line_with_its_type(tmp_path, envs_dir, capsys):
     error_line(err, "error: ZeroDivisionError: division by zero")
     with pytest.raises(ZeroDivisionError):  # --traceback: the exception itself, for debugging
         cli.main(["train", str(cfg), "--traceback"])
+
+
+# -- checkpoints: refused with the reason, and left as they were ------------------------------------
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, envs_dir):
+    """A finished one-iteration run (checkpoint iter_00000), copied by each test below."""
+    d = tmp_path_factory.mktemp("finished")
+    assert cli.main(["train", str(config(d))]) == 0
+    return d / "out"
+
+
+def reuse(finished_run: Path, tmp_path: Path) -> tuple[Path, Path, dict[str, bytes]]:
+    """(the run's copy, its checkpoint, every file's bytes before the command)."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(finished_run, out)
+    return out, out / "checkpoints" / "iter_00000", {str(f): f.read_bytes() for f in out.rglob("*") if f.is_file()}
+
+
+def unchanged(out: Path, before: dict[str, bytes]) -> bool:
+    return {str(f): f.read_bytes() for f in out.rglob("*") if f.is_file()} == before
+
+
+@pytest.mark.parametrize("sections,argv,message", [
+    ({}, [], "output_dir {out} already holds 1 checkpoint(s) of an earlier run (iter_00000..iter_00000): resume it "
+             "(--resume), choose another output_dir, or start over (--overwrite deletes them)"),
+    ({"training": {"learning_rate": 1e-3}}, ["--resume"],
+     "checkpoint {ckpt} was made with another config: training.learning_rate (0.0001 -> 0.001); resume with the "
+     "config it was made with, or start a fresh output_dir"),
+    ({"model": {"name": "tiny", "kwargs": {"hidden_size": 64}}}, ["--resume"],
+     "checkpoint {ckpt} was made with another config: "),
+    ({}, ["--resume", "--overwrite"], "resume and overwrite exclude each other"),
+], ids=["stale-output-dir", "other-config", "other-model", "resume-and-overwrite"])
+def test_checkpoint_of_another_run(finished_run, tmp_path, envs_dir, capsys, sections, argv, message):
+    out, ckpt, before = reuse(finished_run, tmp_path)
+    rc, err = main(["train", str(config(tmp_path, **sections)), *argv], capsys)
+    assert rc == (2 if "--overwrite" in argv else 1)
+    line = error_line(err, "error: " + message.format(out=out, ckpt=ckpt))
+    if "model" in sections:
+        assert "model.kwargs.hidden_size (None -> 64)" in line
+    assert unchanged(out, before)
+
+
+@pytest.mark.parametrize("damage,why", [
+    ("truncate", "optimizer.pt has {size} bytes, the record says {full} (truncated?)"),
+    ("no-record", "it has no record.json (a write that never finished?)"),
+])
+def test_resume_from_a_damaged_checkpoint(finished_run, tmp_path, envs_dir, capsys, damage, why):
+    out, ckpt, _ = reuse(finished_run, tmp_path)
+    full = (ckpt / "optimizer.pt").stat().st_size
+    if damage == "truncate":
+        (ckpt / "optimizer.pt").write_bytes((ckpt / "optimizer.pt").read_bytes()[:full // 2])
+    else:
+        (ckpt / "record.json").unlink()
+    kept = {f.name: f.read_bytes() for f in ckpt.iterdir()}
+    rc, err = main(["train", str(config(tmp_path)), "--resume"], capsys)
+    assert rc == 1
+    line = error_line(err, f"error: no complete checkpoint in {out / 'checkpoints'}: iter_00000 failed verification")
+    assert why.format(size=full // 2, full=full) in line
+    assert {f.name: f.read_bytes() for f in ckpt.iterdir()} == kept  # refused, not deleted
+
+
+def small_disk() -> None:
+    """In the child: no file may grow past 64 KiB, so writing the 380 KB adapter fails with EFBIG
+    (Python ignores SIGXFSZ, so the write returns the error instead of killing the process)."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+
+
+def test_disk_fills_while_a_checkpoint_is_written(finished_run, tmp_path, envs_dir):
+    out, ckpt, before = reuse(finished_run, tmp_path)
+    p = run_cli(["train", str(config(tmp_path, training={"iterations": 2})), "--resume"], envs_dir, small_disk)
+    assert p.returncode == 1
+    error_line(p.stderr, f"error: writing a checkpoint under output_dir {out} failed", "File too large")
+    from tinker_pipelines.checkpoint import read_record
+
+    # iteration 1's half-written checkpoint is gone; iteration 0's is whole, byte for byte, and so are its metrics
+    assert sorted(q.name for q in (out / "checkpoints").iterdir()) == ["iter_00000"]
+    assert read_record(ckpt)["iteration"] == 1 and unchanged(out, before)
+
+
+def test_naming_a_checkpoint_without_its_record(finished_run, tmp_path, envs_dir):
+    from tinker_pipelines.checkpoint import CheckpointError
+    from tinker_pipelines.config import load_config
+    from tinker_pipelines.train import Experiment
+
+    out, ckpt, _ = reuse(finished_run, tmp_path)
+    (ckpt / "record.json").unlink()
+    exp = Experiment(load_config(config(tmp_path)))
+    with pytest.raises(CheckpointError, match=f"^{ckpt} is not a complete checkpoint: it has no record.json"):
+        exp.resume(ckpt)
+    assert (ckpt / "adapter_model.safetensors").exists()

@@ -312,3 +312,10 @@ def test_naming_a_checkpoint_without_its_record(finished_run, tmp_path, envs_dir
     with pytest.raises(CheckpointError, match=f"^{ckpt} is not a complete checkpoint: it has no record.json"):
         exp.resume(ckpt)
     assert (ckpt / "adapter_model.safetensors").exists()
+
+
+def test_worker_with_model_kwargs_its_builder_does_not_take(tmp_path, capsys):
+    rc, err = main(["worker", "--model", "tiny", "--model-kwargs", '{"hiden": 3}', "--socket", str(tmp_path / "w.sock")],
+                   capsys)
+    assert rc == 1 and not (tmp_path / "w.sock").exists()
+    error_line(err, "error: cannot load model 'tiny': TypeError: build_tiny() got an unexpected keyword argument 'hiden'")

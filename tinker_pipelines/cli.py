@@ -33,31 +33,30 @@ def _yaml_problem(path: str, e: Exception) -> str:
     return f"config file {path} is not valid YAML: {problem}{where}"
 
 
-def _describe(e: BaseException, stage: str, output_dir: str | None) -> tuple[str, int]:
-    """(the one-line message, the exit status) for a fault that ended `train`.
+def _describe(e: BaseException, config_path: str, output_dir: str | None) -> tuple[str, int]:
+    """(the one-line message, the exit status) for a fault that ended `train`; `output_dir` is
+    None while the config is being read.
 
     The project's errors already name their cause (the field, the environment, the checkpoint),
     so they are printed as they are; anything else keeps its type, so it can be searched for."""
     import yaml
 
+    from tinker_pipelines.checkpoint import CheckpointError
     from tinker_pipelines.envs import EnvError
     from tinker_pipelines.worker import WorkerError
 
-    # The checkpoint module imports torch: look its error class up only once something failed.
-    checkpoint_error = getattr(sys.modules.get("tinker_pipelines.checkpoint"), "CheckpointError", None)
+    reading_config = output_dir is None
     if isinstance(e, KeyboardInterrupt):
-        kept = f"; checkpoints written so far are kept in {output_dir}" if output_dir else ""
+        kept = "" if reading_config else f"; checkpoints written so far are kept in {output_dir}"
         return f"interrupted{kept}", 130
     if isinstance(e, yaml.YAMLError):
-        return _yaml_problem(stage.partition(" ")[2], e), 2
-    if isinstance(e, ConfigError) or stage.startswith("config") and isinstance(e, ValueError):
+        return _yaml_problem(config_path, e), 2
+    if isinstance(e, ConfigError) or reading_config and isinstance(e, ValueError):
         return str(e), 2
-    if checkpoint_error is not None and isinstance(e, checkpoint_error):
-        return str(e), 1
-    if isinstance(e, (EnvError, WorkerError)):
+    if isinstance(e, (CheckpointError, EnvError, WorkerError)):
         return str(e), 1
     if isinstance(e, OSError):
-        where = "cannot read the config file" if stage.startswith("config") else \
+        where = "cannot read the config file" if reading_config else \
             f"a file under output_dir {output_dir} could not be written or read"
         detail = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
         return f"{where}: {detail}", 1
@@ -75,7 +74,7 @@ def _write_failed(e: BaseException) -> bool:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    stage, output_dir = f"config {args.config}", None
+    output_dir = None
     bars: list = []
     try:
         cfg = load_config(args.config)
@@ -83,14 +82,14 @@ def cmd_train(args: argparse.Namespace) -> int:
             from dataclasses import replace
 
             cfg = replace(cfg, output_dir=args.output_dir)
-        output_dir, stage = cfg.output_dir, "train"
+        output_dir = cfg.output_dir
         _train(args, cfg, bars)
     except (Exception, KeyboardInterrupt) as e:
         if args.traceback:
             raise
         for bar in bars:  # end the progress lines, so the error starts a line of its own
             bar.close()
-        message, status = _describe(e, stage, output_dir)
+        message, status = _describe(e, args.config, output_dir)
         print(f"error: {_one_line(message)}", file=sys.stderr)
         return status
     for bar in bars:
@@ -163,7 +162,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = load_model(args.model, seed=args.seed, dtype=dtype, device=device, **kwargs)
+    try:
+        model, tok = load_model(args.model, seed=args.seed, dtype=dtype, device=device, **kwargs)
+    except Exception as e:  # a broken model directory, bad builder kwargs, no memory on the device
+        print(f"error: cannot load model {args.model!r}: {_one_line(f'{type(e).__name__}: {e}')}", file=sys.stderr)
+        return 1
     model.requires_grad_(False)
     engine = Engine(model, tok.pad_token_id, stop_token_ids(tok), base_identity(args.model, kwargs, args.seed),
                     EngineConfig(batching=not args.no_batching, max_rows=args.max_rows, max_train_rows=args.max_train_rows,

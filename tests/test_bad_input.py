@@ -139,6 +139,18 @@ def test_env_kwargs_that_the_constructor_does_not_take():
         EnvSpec("multiply_tools", {"tools": ["abacus"]}).build()
 
 
+def test_env_constructor_refusal_comes_before_any_model_loads(monkeypatch):
+    import tinker_pipelines.train as train_mod
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(train_mod, "load_model", boom)
+    cfg = config_from_dict({"env": {"path": "multiply_tools", "kwargs": {"tools": ["abacus"]}}})
+    with pytest.raises(ValueError, match=r"unknown tool\(s\) \['abacus'\]"):
+        train_mod.Experiment(cfg)
+
+
 def test_prompt_longer_than_context(tiny):
     model, tok = tiny
     sampler = Sampler(model, tok.pad_token_id, stop_token_ids(tok), max_context=32)

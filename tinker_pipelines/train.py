@@ -76,6 +76,8 @@ class Experiment:
         self.env_spec, self.eval_spec = cfg.env.spec(), cfg.env.spec(evaluation=True)
         if cfg.sft.steps and not hasattr(self.env_spec.resolve(), "sft_examples"):
             raise ConfigError(f"sft.steps is {cfg.sft.steps} but env {cfg.env.path!r} has no sft_examples()")
+        for spec in (self.env_spec, self.eval_spec):  # a constructor refusing its kwargs fails before the model loads
+            spec.build()
         seed_everything(cfg.seed)
         m = cfg.model
         self.name = (name or Path(cfg.output_dir).name or "default").replace(".", "-")

@@ -46,7 +46,7 @@ from tinker_pipelines.multiagent import MultiAgentConfig, MultiAgentTrainer
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes, run_groups
 from tinker_pipelines.rollout.sampler import Sampler
 from tinker_pipelines.envs import EnvSpec
-from tinker_pipelines.train import derived_seed
+from tinker_pipelines.experiment import derived_seed
 from tinker_pipelines.types import TrajectoryGroup
 
 TOOLS = {

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from tinker_pipelines.config import config_from_dict
-from tinker_pipelines.train import Experiment, deterministic_metrics
+from tinker_pipelines.experiment import Experiment, deterministic_metrics
 from tinker_pipelines.worker.client import start_worker
 
 N_EXP = 4
@@ -171,7 +171,7 @@ def separate_processes(model: str, out: Path) -> float:
     code = ("import resource,sys,json,torch; torch.set_num_threads(1)\n"
             f"import benchmarks.multi_lora as b; b.DEVICE = {DEVICE!r}\n"
             "from tinker_pipelines.config import config_from_dict\n"
-            "from tinker_pipelines.train import Experiment\n"
+            "from tinker_pipelines.experiment import Experiment\n"
             "from benchmarks.multi_lora import experiment_config\n"
             "from pathlib import Path\n"
             f"e = Experiment(config_from_dict(experiment_config({model!r}, int(sys.argv[1]), Path({str(out)!r}))))\n"

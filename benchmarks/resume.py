@@ -54,7 +54,7 @@ def _install_probes(fd: int, dagster: bool) -> None:
 
     import tinker_pipelines.learner as learner_mod
     from tinker_pipelines.learner import Learner
-    from tinker_pipelines.train import Experiment
+    from tinker_pipelines.experiment import Experiment
 
     def emit(moment: str) -> None:
         os.write(fd, f"{moment}\n".encode())

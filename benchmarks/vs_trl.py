@@ -67,7 +67,7 @@ def bench_config(a: argparse.Namespace) -> dict:
 def iteration_tasks(cfg, iteration: int) -> list[tuple[list[dict], str]]:
     """(prompt messages, answer) of each task `Experiment.rollout(iteration)` draws."""
     from tinker_pipelines.envs.arithmetic import sample_problem
-    from tinker_pipelines.train import EVAL_SEED_OFFSET, derived_seed
+    from tinker_pipelines.experiment import EVAL_SEED_OFFSET, derived_seed
 
     rng = random.Random(derived_seed(cfg.seed, "tasks", iteration))
     seeds = [rng.randrange(EVAL_SEED_OFFSET) for _ in range(cfg.training.groups_per_batch)]
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from tinker_pipelines.config import config_from_dict
-    from tinker_pipelines.train import Experiment
+    from tinker_pipelines.experiment import Experiment
 
     with tempfile.TemporaryDirectory(prefix="vs_trl_") as tmp:
         cfg = config_from_dict({**bench_config(a), "output_dir": str(Path(tmp) / "ours")})

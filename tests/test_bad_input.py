@@ -140,15 +140,15 @@ def test_env_kwargs_that_the_constructor_does_not_take():
 
 
 def test_env_constructor_refusal_comes_before_any_model_loads(monkeypatch):
-    import tinker_pipelines.train as train_mod
+    import tinker_pipelines.experiment as experiment
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(train_mod, "load_model", boom)
+    monkeypatch.setattr(experiment, "load_model", boom)
     cfg = config_from_dict({"env": {"path": "multiply_tools", "kwargs": {"tools": ["abacus"]}}})
     with pytest.raises(ValueError, match=r"unknown tool\(s\) \['abacus'\]"):
-        train_mod.Experiment(cfg)
+        experiment.Experiment(cfg)
 
 
 def test_prompt_longer_than_context(tiny):

@@ -138,13 +138,13 @@ def test_env_crash_after_the_model_loads(tmp_path, envs_dir):
 @pytest.fixture
 def no_model(monkeypatch):
     """Config faults must be reported before any model loads."""
+    import tinker_pipelines.experiment as experiment
     import tinker_pipelines.models as models
-    import tinker_pipelines.train as train
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded")
 
-    for module in (models, train):
+    for module in (models, experiment):
         monkeypatch.setattr(module, "load_model", boom)
 
 

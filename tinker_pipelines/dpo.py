@@ -22,7 +22,8 @@ from tinker_pipelines.learner import Learner, pad_datums
 from tinker_pipelines.schedule_rules import eval_due
 from tinker_pipelines.preferences import PreferencePair, generate_pairs, pair_datums, summarize_pairs
 from tinker_pipelines.tracking.store import dumps
-from tinker_pipelines.train import Experiment, append_metrics, derived_seed
+from tinker_pipelines.experiment import Experiment, derived_seed
+from tinker_pipelines.run_dir import append_metrics
 
 OnMetrics = Callable[[dict[str, float]], None]
 

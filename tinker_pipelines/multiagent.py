@@ -243,7 +243,7 @@ class MultiAgentTrainer:
 
     def rollout(self, iteration: int) -> list[dict[str, Trajectory]]:
         """`groups_per_batch` seeds x `group_size` games of self-play, sampled at `temperature`."""
-        from tinker_pipelines.train import derived_seed
+        from tinker_pipelines.experiment import derived_seed
 
         rng = random.Random(derived_seed(self.cfg.seed, "games", iteration))
         seeds = [rng.randrange(2**31) for _ in range(self.cfg.groups_per_batch)]
@@ -256,7 +256,7 @@ class MultiAgentTrainer:
         """`scripted_groups` seeds x `group_size` games of `seat`'s agent against the scripted pool
         (seed k plays `scripted_opponents[k % len]`); one group per seed: the same start and
         opponent script, so the group baseline compares the agent's own moves."""
-        from tinker_pipelines.train import derived_seed
+        from tinker_pipelines.experiment import derived_seed
 
         cfg = self.cfg
         if not cfg.scripted_groups:

@@ -161,3 +161,9 @@ def _why(path: Path) -> str:
         return "ok"
     except CheckpointError as e:
         return str(e)
+
+
+def append_metrics(path: str | Path, metrics: dict[str, float]) -> None:
+    """One JSON line per iteration (keys sorted) in `metrics.jsonl`."""
+    with open(path, "a") as f:
+        f.write(json.dumps(metrics, sort_keys=True) + "\n")

@@ -1,0 +1,287 @@
+"""An experiment's stages: the resident model, learner and sampler, and each stage of an
+iteration (`sft`, `rollout`, `score`, `train_step`, `evaluate`, `save`, `resume`).
+
+The plain loop (`tinker_pipelines.train`), DPO (`tinker_pipelines.dpo`), the Dagster assets and
+the worker clients all drive this one class, so they run the same code and get the same numbers;
+it imports none of them.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from tinker_pipelines.algorithms.losses import LossConfig
+from tinker_pipelines.algorithms.registry import get_algorithm
+from tinker_pipelines.checkpoint import atomic_directory, read_record, seed_everything, write_record
+from tinker_pipelines.config import Config, ConfigError, config_to_dict
+from tinker_pipelines.datums import critic_datums, rl_datums, sft_datum
+from tinker_pipelines.learner import Learner, LearnerConfig
+from tinker_pipelines.models import base_identity, load_model, load_tokenizer, stop_token_ids
+from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes, run_groups
+from tinker_pipelines.rollout.sampler import Sampler
+from tinker_pipelines.schedule_rules import eval_due
+from tinker_pipelines.types import Datum, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from tinker_pipelines.worker.client import RemoteSampler, WorkerClient
+
+EVAL_SEED_OFFSET = 10_000_000
+
+
+def derived_seed(*parts: Any) -> int:
+    """A 63-bit seed from any parts, stable across processes and Python versions."""
+    return random.Random("-".join(map(str, parts))).getrandbits(63)
+
+
+@dataclass
+class RolloutStats:
+    """Summary of one iteration's rollouts."""
+
+    groups: list[TrajectoryGroup]
+    metrics: dict[str, float]
+
+
+def summarize_groups(groups: list[TrajectoryGroup]) -> dict[str, float]:
+    """Reward mean/std, success rate (from info['exact'] when present), tokens."""
+    trajs = [t for g in groups for t in g.trajectories]
+    rewards = [t.total_reward for t in trajs]
+    out = {"reward_mean": statistics.fmean(rewards),
+           "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+           "sampled_tokens": float(sum(t.num_sampled_tokens for t in trajs)),
+           "episodes": float(len(trajs))}
+    for key in ("exact", "contains"):
+        if all(key in t.info for t in trajs):
+            out[f"{key}_rate"] = statistics.fmean(float(t.info[key]) for t in trajs)
+    return out
+
+
+class Experiment:
+    """A loaded experiment: base model, learner (LoRA or full) and a sampler over the policy."""
+
+    def __init__(self, cfg: Config, model=None, tokenizer=None, worker: "WorkerClient | str | None" = None,
+                 name: str | None = None, base: str | Path | None = None):
+        """With `worker` (a `WorkerClient` or its socket path) the policy lives on that resident
+        worker as adapter `name` and this process holds only the tokenizer; `base` is the
+        warm-started base directory the worker must serve (None: `model.name`)."""
+        self.cfg = cfg.validate()
+        self.algorithm = get_algorithm(cfg.algorithm.name)
+        self.env_spec, self.eval_spec = cfg.env.spec(), cfg.env.spec(evaluation=True)
+        if cfg.sft.steps and not hasattr(self.env_spec.resolve(), "sft_examples"):
+            raise ConfigError(f"sft.steps is {cfg.sft.steps} but env {cfg.env.path!r} has no sft_examples()")
+        for spec in (self.env_spec, self.eval_spec):  # a constructor refusing its kwargs fails before the model loads
+            spec.build()
+        seed_everything(cfg.seed)
+        m = cfg.model
+        self.name = (name or Path(cfg.output_dir).name or "default").replace(".", "-")
+        self.worker = None
+        if worker is not None:
+            self.worker = self._connect(worker, base)
+            tokenizer = tokenizer or load_tokenizer(str(base) if base is not None else m.name)
+        elif model is None:
+            model, tokenizer = load_model(m.name, seed=cfg.seed if m.seed is None else m.seed, dtype=m.dtype,
+                                          device=m.device, **m.kwargs)
+        self.base_model, self.tokenizer = model, tokenizer
+        self.learner: Learner | None = None
+        self.iteration = 0
+        a = cfg.algorithm
+        self.loss_cfg = LossConfig(a.clip_eps, a.kl_coef, a.kl_estimator, a.normalization, gamma=a.gamma,
+                                   gae_lambda=a.gae_lambda, vf_coef=a.vf_coef, value_clip=a.value_clip,
+                                   whiten_advantages=a.whiten_advantages)
+        self.rollout_cfg = RolloutConfig(cfg.training.max_new_tokens, cfg.training.temperature,
+                                         cfg.training.max_turns)
+
+    def _connect(self, worker: "WorkerClient | str", base: str | Path | None) -> "WorkerClient":
+        from tinker_pipelines.worker.client import WorkerClient
+        from tinker_pipelines.worker import WorkerError
+
+        if self.algorithm.pairwise:
+            raise ConfigError(f"algorithm.name {self.cfg.algorithm.name!r} trains in-process, not on a worker")
+        client = WorkerClient(worker) if isinstance(worker, (str, Path)) else worker
+        m = self.cfg.model
+        expected = base_identity(str(base), {}, 0) if base is not None else base_identity(
+            m.name, m.kwargs, self.cfg.seed if m.seed is None else m.seed)
+        if client.info["base"] != expected:
+            raise WorkerError(f"worker {client.address} serves base {client.info['base']}, but experiment "
+                              f"{self.name!r} trains on {expected} (set model.seed / start a worker on that base)")
+        return client
+
+    # -- stages -----------------------------------------------------------------------------
+    def sft(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> list[dict[str, float]]:
+        """Full-parameter supervised warm start of the base model on the env's examples."""
+        if self.worker is not None:
+            raise ConfigError("sft runs in-process (it trains every parameter); start the worker on its output")
+        s = self.cfg.sft
+        make = self.env_spec.resolve().sft_examples
+        examples = make(s.examples, seed=self.cfg.seed, **{**self.cfg.env.kwargs, **s.kwargs})
+        datums = [sft_datum(self.tokenizer, m, c) for m, c in examples]
+        learner = Learner(self.base_model, LearnerConfig(mode="full", learning_rate=s.learning_rate,
+                                                         micro_batch_size=self.cfg.training.micro_batch_size,
+                                                         share_prefix=self.cfg.training.share_prefix),
+                          self.tokenizer.pad_token_id)
+        sft_loss = get_algorithm("sft").loss
+        rng = random.Random(derived_seed(self.cfg.seed, "sft"))
+        history = []
+        for step in range(s.steps):
+            batch = rng.sample(datums, min(s.batch_size, len(datums)))
+            metrics = learner.forward_backward(batch, sft_loss)
+            metrics.update(learner.optim_step())
+            history.append(metrics)
+            if on_step:
+                on_step(step, metrics)
+        self.base_model.requires_grad_(False)
+        return history
+
+    def save_base(self, path: str | Path) -> dict[str, Any]:
+        """Write the (warm-started) base model and its tokenizer as a Hugging Face directory,
+        atomically, with a record of its files' hashes that `use_base` verifies."""
+        with atomic_directory(path) as tmp:
+            self.base_model.save_pretrained(str(tmp))
+            self.tokenizer.save_pretrained(str(tmp))
+            return write_record(tmp, {"kind": "sft_base", "base_model": self.cfg.model.name,
+                                      "config": config_to_dict(self.cfg)})
+
+    def use_base(self, path: str | Path) -> None:
+        """Replace the base model by a warm-started one (`save_base`'s directory, its files
+        checked against their recorded hashes first), on the configured device and dtype."""
+        from transformers import AutoModelForCausalLM
+
+        from tinker_pipelines.models import resolve_device, resolve_dtype
+
+        read_record(path, verify=True)
+        device = resolve_device(self.cfg.model.device)
+        dtype = resolve_dtype(self.cfg.model.dtype, device)
+        self.base_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+
+    def start_rl(self, adapter_path: str | Path | None = None) -> Learner:
+        """Build the RL learner over the (possibly warm-started) base model."""
+        t = self.cfg.training
+        # A pairwise loss sees whole (chosen, rejected) pairs only: micro-batches hold an even count.
+        mb = max(2, t.micro_batch_size - t.micro_batch_size % 2) if self.algorithm.pairwise else t.micro_batch_size
+        lcfg = LearnerConfig(mode=t.mode, learning_rate=t.learning_rate, lora_rank=t.lora_rank,
+                             lora_alpha=t.lora_alpha, grad_clip=t.grad_clip, temperature=t.temperature,
+                             micro_batch_size=mb, share_prefix=t.share_prefix,
+                             needs_reference=self.cfg.algorithm.kl_coef > 0 or self.algorithm.needs_reference,
+                             value_head=self.algorithm.value_head,
+                             value_learning_rate=self.cfg.algorithm.value_learning_rate)
+        if self.worker is not None:
+            from tinker_pipelines.worker.client import RemoteLearner
+
+            if adapter_path is not None:
+                raise ConfigError("an adapter_path is loaded with resume() on a worker")
+            self.learner = RemoteLearner(self.worker, self.name, lcfg, seed=self.cfg.seed, base_name=self.cfg.model.name)
+            return self.learner
+        if t.deepspeed.stage > 0:  # ZeRO data parallel over torchrun's ranks; deepspeed is imported only here
+            from tinker_pipelines.deepspeed_learner import DeepSpeedLearner
+
+            if adapter_path is not None:
+                raise ConfigError("training.deepspeed trains every parameter: there is no adapter_path to load")
+            self.learner = DeepSpeedLearner(self.base_model, lcfg, self.tokenizer.pad_token_id,
+                                            base_name=self.cfg.model.name, stage=t.deepspeed.stage,
+                                            offload_optimizer=t.deepspeed.offload_optimizer,
+                                            zero_overrides=dict(t.deepspeed.zero_overrides))
+            return self.learner
+        self.learner = Learner(self.base_model, lcfg, self.tokenizer.pad_token_id,
+                               base_name=self.cfg.model.name, adapter_path=adapter_path,
+                               init_seed=self.cfg.seed if adapter_path is None else None)
+        return self.learner
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        return self.learner.model if self.learner is not None else self.base_model
+
+    def sampler(self) -> "Sampler | RemoteSampler":
+        if self.worker is not None:
+            from tinker_pipelines.worker.client import RemoteSampler
+
+            if self.learner is None:
+                self.start_rl()
+            return RemoteSampler(self.worker, self.name)
+        return Sampler(self.policy, self.tokenizer.pad_token_id, stop_token_ids(self.tokenizer))
+
+    def rollout(self, iteration: int) -> RolloutStats:
+        """Sample `groups_per_batch` tasks x `group_size` episodes for `iteration`."""
+        t = self.cfg.training
+        task_rng = random.Random(derived_seed(self.cfg.seed, "tasks", iteration))
+        seeds = [task_rng.randrange(EVAL_SEED_OFFSET) for _ in range(t.groups_per_batch)]
+        gen = torch.Generator().manual_seed(derived_seed(self.cfg.seed, "sample", iteration))
+        start = time.perf_counter()
+        groups = run_groups(self.sampler(), self.tokenizer, self.env_spec, seeds, t.group_size,
+                            self.rollout_cfg, gen)
+        metrics = summarize_groups(groups)
+        metrics["time/rollout_s"] = time.perf_counter() - start
+        return RolloutStats(groups, metrics)
+
+    def score(self, groups: list[TrajectoryGroup]) -> list[Datum]:
+        """Training datums with advantages: the algorithm's group estimator (groups with uniform
+        rewards dropped), or for a value-head algorithm (PPO) the critic's values at sampling
+        time and GAE advantages and returns over every episode (`CriticDatum`)."""
+        if self.learner is None:
+            self.start_rl()
+        if self.algorithm.value_head:
+            c = self.loss_cfg
+            return critic_datums(groups, self.learner.compute_values, c.gamma, c.gae_lambda, c.whiten_advantages)
+        return rl_datums(groups, self.algorithm.advantages)
+
+    def train_step(self, groups: list[TrajectoryGroup], datums: list[Datum] | None = None) -> dict[str, float]:
+        """Advantages, one forward/backward over all informative episodes, one optimizer step.
+        `datums`, when given, are `score(groups)` computed earlier with the same policy."""
+        if self.learner is None:
+            self.start_rl()
+        start = time.perf_counter()
+        datums = self.score(groups) if datums is None else datums
+        metrics: dict[str, float] = {"informative_groups": float(sum(len(set(g.rewards)) > 1 for g in groups))}
+        if datums:  # when every group's rewards are uniform there is no gradient: skip the step
+            metrics.update(self.learner.forward_backward(datums, self.algorithm.loss, self.loss_cfg))
+            metrics.update(self.learner.optim_step())
+        metrics["time/train_s"] = time.perf_counter() - start
+        return metrics
+
+    def evaluate(self, num_tasks: int | None = None) -> dict[str, float]:
+        """Greedy decoding on held-out tasks; returns eval/* metrics."""
+        n = num_tasks or self.cfg.eval.num_tasks
+        seeds = [EVAL_SEED_OFFSET + i for i in range(n)]
+        cfg = RolloutConfig(self.rollout_cfg.max_new_tokens, 0.0, self.rollout_cfg.max_turns)
+        start = time.perf_counter()
+        trajs = run_episodes(self.sampler(), self.tokenizer, [self.eval_spec.build() for _ in seeds], seeds, cfg)
+        stats = summarize_groups([TrajectoryGroup(tuple(trajs))])
+        out = {f"eval/{k}": v for k, v in stats.items() if k in ("reward_mean", "exact_rate", "contains_rate")}
+        out["time/eval_s"] = time.perf_counter() - start
+        return out
+
+    def run_iteration(self, iteration: int) -> dict[str, float]:
+        """Rollout, train, and evaluate when due; returns the iteration's metrics."""
+        start = time.perf_counter()
+        ro = self.rollout(iteration)
+        metrics = {"iteration": float(iteration), **ro.metrics, **self.train_step(ro.groups)}
+        if eval_due(iteration, self.cfg.eval.every, self.cfg.training.iterations):
+            metrics.update(self.evaluate())
+        self.iteration = iteration + 1
+        metrics["time/iteration_s"] = time.perf_counter() - start
+        return metrics
+
+    def save(self, path: str | Path, metrics: dict[str, float] | None = None) -> dict[str, Any]:
+        """Checkpoint the learner with the config, iteration and metrics in its record."""
+        record = {"config": config_to_dict(self.cfg), "iteration": self.iteration, "metrics": metrics or {}}
+        if self.learner is None:
+            self.start_rl()
+        return self.learner.save_state(path, record)
+
+    def resume(self, path: str | Path) -> dict[str, Any]:
+        """Load a checkpoint made by `save`; the next iteration is the one after it."""
+        if self.learner is None:
+            self.start_rl()
+        record = self.learner.load_state(path)
+        self.iteration = int(record["iteration"])
+        return record
+
+
+def deterministic_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The metrics that must repeat exactly for the same config and seed (no timings)."""
+    return {k: v for k, v in metrics.items() if not k.startswith("time/")}

@@ -24,6 +24,7 @@ from tinker_pipelines.dpo import pair_metrics, preference_pairs as sample_pairs,
 from tinker_pipelines.preferences import summarize_pairs
 from tinker_pipelines.schedule_rules import DEVICE_POOL, LORA_STEP_TAGS
 from tinker_pipelines.tracking import registered_model_name
+from tinker_pipelines.tracking.mlflow_tracker import CHECKS_TAG, checks_tags
 from tinker_pipelines.tracking.store import dumps, loads
 from tinker_pipelines.train import Experiment
 
@@ -80,12 +81,15 @@ def preference_pairs(context: dg.AssetExecutionContext, config: DPOJobConfig,
 
 @dg.asset(partitions_def=EXPERIMENTS, group_name=GROUP, deps=[preference_pairs], kinds={"pytorch", "mlflow"},
           pool=DEVICE_POOL, op_tags=LORA_STEP_TAGS,
-          check_specs=[dg.AssetCheckSpec(checks.ADAPTER_LOADS, asset="dpo_checkpoint",
-                                         description="The written checkpoint loads and gives finite logits.")])
+          check_specs=[dg.AssetCheckSpec(checks.ADAPTER_LOADS, asset="dpo_checkpoint", blocking=True,
+                                         description="The written checkpoint matches its content hash, loads "
+                                                     "and gives finite logits.")])
 def dpo_checkpoint(context: dg.AssetExecutionContext, artifact_store: ArtifactStoreResource,
                    mlflow: MLflowResource) -> dg.MaterializeResult:
     """dpo.steps DPO steps on the pairs (LoRA: reference = adapter-disabled base; full: a frozen
-    copy), saved, registered as a model version, evaluated on held-out tasks."""
+    copy), saved, registered as a model version, evaluated on held-out tasks. As in the `rl` job,
+    the version is tagged with the verdict of the blocking check (`tinker.checks`), and a failed
+    check fails the step after registering it, so it is never promoted."""
     name = check_experiment(context.partition_key)
     store = artifact_store.store()
     settings = load_settings(store, name)
@@ -112,24 +116,28 @@ def dpo_checkpoint(context: dg.AssetExecutionContext, artifact_store: ArtifactSt
         tracker.log_series_once(run_id, f"dpo/train_{series.removeprefix('dpo/')}", [m[series] for m in history])
     tracker.log_metrics_once(run_id, cfg.dpo.steps, {f"dpo/{k}": v for k, v in after.items()
                                                       if k.startswith(("eval/", "pairs/"))})
+    results = [checks.adapter_loads(exp, local)]
     model_name = registered_model_name(name)
     version = tracker.register_adapter(
         run_id, model_name, local, "adapters/dpo",
         tags={"dagster_run_id": context.run.run_id, "partition": name, "content_hash": record["content_hash"],
               "tinker.experiment": name, "algorithm": cfg.algorithm.name, "store_uri": uri,
-              "preference_pairs": store.uri(pairs_key(name))})
+              "preference_pairs": store.uri(pairs_key(name)), **checks_tags(checks.failed(results))})
+    if checks.failed(results):
+        context.log.error(f"{model_name} v{version} is tagged {CHECKS_TAG}=failed "
+                          f"({', '.join(checks.failed(results))}): not promoted")
     score = checks.eval_score(after)
     tracker.set_version_tag(model_name, version, "eval_score", score)
     return dg.MaterializeResult(
         metadata={"path": uri_value(uri), "store_key": key, "content_hash": record["content_hash"],
                   "model_version": version, "registered_model": model_name, "mlflow_run_id": run_id,
-                  "steps": len(history), "pairs": len(pairs), "loss_first": history[0]["loss"],
+                  "checks": checks.verdict(results), "steps": len(history), "pairs": len(pairs), "loss_first": history[0]["loss"],
                   "loss_last": after["loss"], "score": score,
                   **{f"before_{k.replace('/', '_')}": v for k, v in before.items() if not k.startswith("time/")},
                   **{f"after_{k.replace('/', '_')}": v for k, v in after.items()
                      if k.startswith(("eval/", "pairs/"))},
                   "wall_time_s": round(time.perf_counter() - start, 3)},
-        check_results=[checks.adapter_loads(exp, local)])
+        check_results=results)
 
 
 DPO_ASSETS = [preference_pairs, dpo_checkpoint]

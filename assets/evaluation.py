@@ -1,5 +1,9 @@
 """The `evaluate` job: score a registered adapter version on held-out tasks and, when it beats
-the current champion, move the registry alias `champion` to it."""
+the current champion, move the registry alias `champion` to it.
+
+Only a version whose blocking checks passed (`tinker.checks=passed`) and whose downloaded files
+match the content hash it was registered with is promoted; the files are verified before anything
+loads them, and a mismatch fails the run."""
 
 
 import tempfile
@@ -13,6 +17,7 @@ from resources import ArtifactStoreResource, MLflowResource
 from tinker_pipelines.checkpoint import read_record
 from tinker_pipelines.config import config_from_dict
 from tinker_pipelines.schedule_rules import DEVICE_POOL, LOADS_MODEL_TAG, LORA_STEP_TAGS
+from tinker_pipelines.tracking.mlflow_tracker import promotion_refusal
 from tinker_pipelines.train import Experiment
 
 CHAMPION = "champion"
@@ -49,7 +54,8 @@ def evaluate_adapter(context: dg.OpExecutionContext, config: EvaluateConfig, mlf
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         path = tracker.download_version(config.model_name, str(mv.version), tmp)
-        cfg = config_from_dict(read_record(path)["config"])
+        record = verified_record(path, config.model_name, mv)
+        cfg = config_from_dict(record["config"])
         exp = Experiment(cfg)
         if cfg.sft.steps:
             store = artifact_store.store()
@@ -63,19 +69,40 @@ def evaluate_adapter(context: dg.OpExecutionContext, config: EvaluateConfig, mlf
     tracker.set_version_tag(config.model_name, mv.version, "eval_num_tasks", n)
     champ = tracker.alias_version(config.model_name, CHAMPION)
     champ_score = float(champ.tags["eval_score"]) if champ is not None and "eval_score" in champ.tags else None
+    refusal = promotion_refusal(mv.tags)
     promoted = False
-    if config.promote and (champ is None or champ_score is None or score > champ_score):
+    if config.promote and refusal is None and (champ is None or champ_score is None or score > champ_score):
         tracker.set_alias(config.model_name, CHAMPION, mv.version)
         promoted = True
+    refused = f"not promoted: {refusal}" if config.promote and refusal else "none"
     result = {"model_name": config.model_name, "version": str(mv.version), "score": score,
               "champion_before": str(champ.version) if champ else "none",
               "champion_score_before": champ_score if champ_score is not None else "none",
-              "promoted": promoted, "wall_time_s": round(time.perf_counter() - start, 3),
+              "promoted": promoted, "promotion_refused": refused, "wall_time_s": round(time.perf_counter() - start, 3),
               **{k.replace("eval/", "eval_"): v for k, v in metrics.items()}}
     context.add_output_metadata(result)
-    context.log.info(f"{config.model_name} v{mv.version}: score {score:.4f}; "
-                     f"{'promoted to champion' if promoted else 'champion unchanged'}")
+    if refused != "none":
+        context.log.warning(f"{config.model_name} v{mv.version}: score {score:.4f}; {refused}")
+    else:
+        context.log.info(f"{config.model_name} v{mv.version}: score {score:.4f}; "
+                         f"{'promoted to champion' if promoted else 'champion unchanged'}")
     return result
+
+
+def verified_record(path, model_name: str, mv) -> dict:
+    """The downloaded checkpoint's record, after checking its files against the recorded content
+    hash and that hash against the one the version was registered with; `dg.Failure` otherwise."""
+    try:
+        record = read_record(path, verify=True)
+    except (ValueError, FileNotFoundError) as e:
+        raise dg.Failure(f"{model_name} v{mv.version} is not evaluated or promoted: {e}",
+                         metadata={"model_name": model_name, "version": str(mv.version), "promoted": False}) from e
+    registered = mv.tags.get("content_hash")
+    if registered and record.get("content_hash") != registered:
+        raise dg.Failure(f"{model_name} v{mv.version} is not evaluated or promoted: its files hash to "
+                         f"{record.get('content_hash')}, but it was registered with {registered}",
+                         metadata={"model_name": model_name, "version": str(mv.version), "promoted": False})
+    return record
 
 
 @dg.job(description="Evaluate a registered adapter version; promote it to `champion` when better.",

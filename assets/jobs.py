@@ -35,10 +35,15 @@ MODEL_RUN = {LOADS_MODEL_TAG: "true"}
 job launch` copies only the former): the run process loads a model, so the run queue admits one
 such run per device (docs/runtime.md "Run queue")."""
 
+RUN_RETRIES = {"dagster/max_retries": "1"}
+"""The `rl` job's run retries: with the instance's `run_retries` (a fresh `dagster.yaml` enables them
+for crashes only), the daemon re-executes a crashed iteration from its failure once; the re-executed
+steps resume from the stored artifacts, and registering the same adapter again returns its version."""
+
 rl = dg.define_asset_job(
     "rl", selection=dg.AssetSelection.assets(*RL_ASSETS),
     executor_def=EXECUTOR,  # in-process by default: the steps share the resident model (docs/runtime.md)
-    tags=MODEL_RUN,
+    tags={**MODEL_RUN, **RUN_RETRIES},
     description="One RL iteration of an experiment: rollouts, scoring, an optimizer step, a registered "
                 "adapter version, and evaluation when due. Config under ops.rollout_batch.config.")
 

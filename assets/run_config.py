@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 import inspect
 import textwrap
 import typing
@@ -57,21 +58,36 @@ _ExperimentConfig = _config_class(lib.Config)
 class RLConfig(_ExperimentConfig):  # type: ignore[misc, valid-type]
     """One experiment (the partition key names it and the iteration); the same for every iteration."""
 
-    kl_bound: float = Field(default=1.0, description="Asset check: fail an iteration whose KL to the reference exceeds this.")
+    kl_bound: float = Field(default=1.0, description=(
+        "Blocking asset check: fail an iteration whose |KL| to the reference exceeds this; its adapter "
+        "version is tagged tinker.checks=failed, never promoted and never trained on from."))
     champion_margin: float = Field(default=0.05, description="Asset check: warn when evaluation trails the champion by more than this.")
     auto_continue: bool = Field(default=True, description="Let the continue_training sensor launch the next iteration.")
+    rollout_retries: int = Field(default=2, description=(
+        "Retries of rollout_batch after a transient error of a remote env, reward server or worker "
+        "(ConnectionError, TimeoutError, EOFError, URLError); other errors fail at once."))
+    rollout_retry_delay_s: float = Field(default=2.0, description="Wait before the first retry of rollout_batch; doubles each retry.")
 
     def to_library_config(self) -> lib.Config:
         """The validated library `Config`; raises `ConfigError` naming the bad field."""
         data = self.model_dump()
-        for extra in ("kl_bound", "champion_margin", "auto_continue"):
+        for extra in RUN_ONLY:
             data.pop(extra)
         return lib.config_from_dict(data)
 
     def settings(self) -> dict[str, Any]:
-        """What is stored with the experiment: the library config plus the check bounds."""
+        """What is stored with the experiment: the library config plus the check bounds (retries
+        are per run: they change nothing that is computed)."""
+        if not (math.isfinite(self.kl_bound) and self.kl_bound > 0):
+            raise lib.ConfigError(f"kl_bound must be positive and finite, got {self.kl_bound}")
+        if self.rollout_retries < 0 or not self.rollout_retry_delay_s >= 0:
+            raise lib.ConfigError("rollout_retries and rollout_retry_delay_s must not be negative")
         return {"config": lib.config_to_dict(self.to_library_config()), "kl_bound": self.kl_bound,
                 "champion_margin": self.champion_margin}
+
+
+RUN_ONLY = ("kl_bound", "champion_margin", "auto_continue", "rollout_retries", "rollout_retry_delay_s")
+"""Fields of `RLConfig` that are not the library's `Config`."""
 
 
 class EvaluateConfig(dg.Config):

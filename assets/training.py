@@ -11,6 +11,7 @@ uses the policy, so each takes a slot of the `tinker_device` pool while it runs 
 
 import base64
 import time
+import urllib.error
 
 import dagster as dg
 
@@ -21,11 +22,23 @@ from assets.partitions import (ITERATIONS, ensure_partition, iteration_key, pars
 from assets.run_config import RLConfig
 from resources import ArtifactStoreResource, MLflowResource, PolicyEngine
 from tinker_pipelines.schedule_rules import DEVICE_POOL, eval_due, LORA_STEP_TAGS
+from tinker_pipelines.envs import EnvError
 from tinker_pipelines.tracking import registered_model_name
-from tinker_pipelines.tracking.mlflow_tracker import learning_curve_png
+from tinker_pipelines.tracking.mlflow_tracker import CHECKS_TAG, checks_tags, learning_curve_png, promotion_refusal
 from tinker_pipelines.tracking.store import dumps, loads
 
 GROUP = "rl"
+TRANSIENT = (ConnectionError, TimeoutError, EOFError, urllib.error.URLError)
+"""Errors of a remote env, reward server or worker that a retry of the step may not see again."""
+
+
+def transient(error: BaseException) -> bool:
+    """Whether `error` or what it wraps (an `EnvError` wraps the env's exception) is `TRANSIENT`."""
+    while error is not None:
+        if isinstance(error, TRANSIENT):
+            return True
+        error = error.__cause__
+    return False
 
 
 class _Step:
@@ -79,10 +92,16 @@ class _Step:
 
 @dg.asset(partitions_def=ITERATIONS, group_name=GROUP, kinds={"pytorch"}, pool=DEVICE_POOL, op_tags=LORA_STEP_TAGS,
           check_specs=[dg.AssetCheckSpec(checks.REWARDS_FINITE, asset="rollout_batch", blocking=True,
-                                         description="Every episode's reward is finite.")])
+                                         description="Every episode's total reward and the batch's reward "
+                                                     "mean and std are finite (each step's reward is "
+                                                     "checked by the env wrapper).")])
 def rollout_batch(context: dg.AssetExecutionContext, config: RLConfig, policy_engine: PolicyEngine,
                   artifact_store: ArtifactStoreResource, mlflow: MLflowResource) -> dg.MaterializeResult:
-    """groups_per_batch tasks x group_size episodes sampled from the policy after iteration k-1."""
+    """groups_per_batch tasks x group_size episodes sampled from the policy after iteration k-1.
+
+    A transient error of a remote env, reward server or worker (`TRANSIENT`, also wrapped in an
+    `EnvError`) retries the step up to `rollout_retries` times; the rollout is seeded by the
+    iteration, so a retry samples the same episodes. Any other error fails at once."""
     name, k = parse_iteration_key(context.partition_key)
     settings = config.settings()  # validates: a bad config fails here, naming the field, before any model loads
     ensure_partition(context.instance, ITERATIONS, context.partition_key)
@@ -90,8 +109,23 @@ def rollout_batch(context: dg.AssetExecutionContext, config: RLConfig, policy_en
                  save_settings(artifact_store.store(), name, settings))
     run_id = step.run_id()
     prev = step.adapter(k - 1)
-    exp = step.experiment(at=k)
-    ro = exp.rollout(k)
+    if prev is not None and prev.model_version:
+        tags = step.tracker.client.get_model_version(step.model_name, prev.model_version).tags
+        if tags.get(CHECKS_TAG) == "failed":
+            raise dg.Failure(f"iteration {k - 1}'s adapter ({step.model_name} v{prev.model_version}) is not "
+                             f"trained on from: {promotion_refusal(tags)}")
+    try:
+        ro = step.experiment(at=k).rollout(k)
+    except Exception as e:
+        if not transient(e) or config.rollout_retries <= context.retry_number:
+            raise
+        if not isinstance(e, EnvError):  # the policy's side (a worker connection): reconnect on retry
+            from resources.policy_engine import evict
+            evict(name)
+        wait = config.rollout_retry_delay_s * 2 ** context.retry_number
+        context.log.warning(f"rollout of {context.partition_key} failed ({type(e).__name__}: {e}); retry "
+                            f"{context.retry_number + 1} of {config.rollout_retries} in {wait:g} s")
+        raise dg.RetryRequested(max_retries=config.rollout_retries, seconds_to_wait=wait) from e
     uri = step.save("rollout.json", {"groups": ro.groups, "metrics": ro.metrics})
     m = ro.metrics
     return dg.MaterializeResult(
@@ -100,7 +134,7 @@ def rollout_batch(context: dg.AssetExecutionContext, config: RLConfig, policy_en
                   "episodes": int(m["episodes"]), "wall_time_s": step.elapsed(), "mlflow_run_id": run_id,
                   "policy": prev.uri if prev else f"base model {step.cfg.model.name}",
                   "policy_model_version": prev.model_version if prev else "none"},
-        check_results=[checks.rewards_finite(ro.groups)])
+        check_results=[checks.rewards_finite(ro.groups, m)])
 
 
 @dg.asset(partitions_def=ITERATIONS, group_name=GROUP, deps=[rollout_batch], kinds={"python"}, pool=DEVICE_POOL, op_tags=LORA_STEP_TAGS)
@@ -122,14 +156,17 @@ def scored_trajectories(context: dg.AssetExecutionContext, policy_engine: Policy
 
 @dg.asset(partitions_def=ITERATIONS, group_name=GROUP, deps=[scored_trajectories], kinds={"pytorch", "mlflow"},
           pool=DEVICE_POOL, op_tags=LORA_STEP_TAGS,
-          check_specs=[dg.AssetCheckSpec(checks.KL_WITHIN_BOUND, asset="adapter_checkpoint",
-                                         description="KL to the reference policy within the configured bound."),
-                       dg.AssetCheckSpec(checks.ADAPTER_LOADS, asset="adapter_checkpoint",
-                                         description="The written checkpoint loads and gives finite logits.")])
+          check_specs=[dg.AssetCheckSpec(checks.KL_WITHIN_BOUND, asset="adapter_checkpoint", blocking=True,
+                                         description="KL to the reference policy within kl_bound."),
+                       dg.AssetCheckSpec(checks.ADAPTER_LOADS, asset="adapter_checkpoint", blocking=True,
+                                         description="The written checkpoint matches its content hash, loads "
+                                                     "and gives finite logits.")])
 def adapter_checkpoint(context: dg.AssetExecutionContext, policy_engine: PolicyEngine,
                        artifact_store: ArtifactStoreResource, mlflow: MLflowResource) -> dg.MaterializeResult:
     """One optimizer step on the datums scored_trajectories wrote; the checkpoint becomes a
-    registered model version."""
+    registered model version tagged with its checks' verdict. A failed check still registers the
+    version (tagged `tinker.checks=failed`, so it can be inspected but never promoted or trained
+    on from) and then fails the step, so the iteration fails and evaluation is skipped."""
     step = _Step(context, policy_engine, artifact_store, mlflow)
     name, k = step.name, step.k
     rollout, datums = step.load("rollout.json"), step.load("datums.json")
@@ -141,6 +178,7 @@ def adapter_checkpoint(context: dg.AssetExecutionContext, policy_engine: PolicyE
         local = step.store.write_dir(key)
         record = exp.save(local, metrics)
         uri = step.store.put_dir(local, key)
+    results = [checks.kl_within_bound(metrics, step.settings["kl_bound"]), checks.adapter_loads(exp, local)]
     run_id = step.run_id()
     step.tracker.log_metrics_once(run_id, k, metrics)
     prev = step.adapter(k - 1)
@@ -148,9 +186,14 @@ def adapter_checkpoint(context: dg.AssetExecutionContext, policy_engine: PolicyE
         run_id, step.model_name, local, f"adapters/iter_{k:05d}",
         tags={"dagster_run_id": context.run.run_id, "partition": context.partition_key,
               "content_hash": record["content_hash"], "tinker.experiment": name, "iteration": str(k),
-              "parent_version": prev.model_version if prev else "", "store_uri": uri})
+              "parent_version": prev.model_version if prev else "", "store_uri": uri,
+              **checks_tags(checks.failed(results))})
+    if checks.failed(results):
+        context.log.error(f"{step.model_name} v{version} is tagged {CHECKS_TAG}=failed "
+                          f"({', '.join(checks.failed(results))}): not promoted, not trained on from")
     return dg.MaterializeResult(
         metadata={"path": uri_value(uri), "store_key": key, "content_hash": record["content_hash"],
+                  "checks": checks.verdict(results),
                   "model_version": version, "registered_model": step.model_name, "mlflow_run_id": run_id,
                   "reward_mean": metrics["reward_mean"], "reward_std": metrics["reward_std"],
                   "kl": metrics.get("kl", float("nan")), "loss": metrics.get("loss", float("nan")),
@@ -158,8 +201,7 @@ def adapter_checkpoint(context: dg.AssetExecutionContext, policy_engine: PolicyE
                   "trained_tokens": int(metrics.get("trained_tokens", 0)), "wall_time_s": step.elapsed(),
                   "previous_adapter": prev.uri if prev else "none (first iteration)",
                   "previous_model_version": prev.model_version if prev else "none"},
-        check_results=[checks.kl_within_bound(metrics, step.settings["kl_bound"]),
-                       checks.adapter_loads(exp, local)])
+        check_results=results)
 
 
 @dg.multi_asset(

@@ -11,7 +11,8 @@
 
 A fresh `dagster.yaml` also sets up the run queue (docs/runtime.md "Run queue"): queued runs
 with per-experiment and per-device limits, the `tinker_device` pool for the steps that load
-models, and run monitoring that frees the pool slots of crashed runs. An existing file is never
+models, run monitoring that frees the pool slots of crashed runs, and run retries for crashed
+runs of the jobs that ask for them (`RUN_RETRIES`). An existing file is never
 rewritten; `python -m tinker_pipelines.tracking --upgrade` appends the sections it lacks.
 """
 
@@ -105,7 +106,20 @@ worker imports torch first, which takes long on a loaded machine)."""
 
 def dagster_yaml(dagster_home: Path, devices: int) -> str:
     """The embedded default `dagster.yaml` for a machine with `devices` devices."""
-    return DAGSTER_YAML.format(home=dagster_home) + "".join(_run_queue_blocks(devices).values())
+    return DAGSTER_YAML.format(home=dagster_home) + "".join(_run_queue_blocks(devices).values()) + RUN_RETRIES
+
+
+RUN_RETRIES = """\
+# Run retries (the daemon re-executes a failed run from its failure) for crashes only: a killed or
+# out-of-memory run worker. A failed step or check would fail the same way again; flaky steps retry
+# within the run (rollout_batch: rollout_retries). No job retries unless it asks with the tag
+# dagster/max_retries (the rl job does: assets/jobs.py); a retried iteration registers no second
+# version and logs no metric twice.
+run_retries:
+  enabled: true
+  max_retries: 0
+  retry_on_asset_or_op_failure: false
+"""
 
 
 def _run_queue_blocks(devices: int, with_run_limits: bool = True) -> dict[str, str]:

@@ -7,9 +7,12 @@
 - `register_adapter` logs the checkpoint directory as run artifacts and creates a model version
   from them with `create_model_version` (not `register_model`, which wants an MLflow model, and
   not the transformers flavour, which breaks PEFT reloads); a version already registered for the
-  same partition and content hash is reused.
+  same partition and content hash is reused, also when two processes register it at once.
+- Every version carries the verdict of its blocking checks (`tinker.checks`: passed/failed, and
+  `tinker.checks.failed`: which); only a passed version may become `champion` (`promotion_refusal`).
 - Aliases (`champion`), not stages.
-- An embedded sqlite store runs in WAL mode with `synchronous=NORMAL` (see `tune_sqlite`).
+- An embedded sqlite store runs in WAL mode with `synchronous=NORMAL` and busy timeouts (see
+  `tune_sqlite`), so concurrent writers queue instead of failing with "database is locked".
 """
 
 from __future__ import annotations
@@ -19,6 +22,29 @@ from pathlib import Path
 from typing import Any
 
 EXPERIMENT_TAG = "tinker.experiment"
+CHECKS_TAG = "tinker.checks"
+"""Version tag: `passed` or `failed`, the verdict of the blocking checks of the asset that wrote it."""
+CHECKS_FAILED_TAG = "tinker.checks.failed"
+"""Version tag: the failed blocking checks, comma-separated ('' when all passed)."""
+BUSY_TIMEOUT_MS = 60_000
+"""How long a new connection to an embedded sqlite store waits for another process's lock."""
+LOCKED_RETRIES = 5
+"""Registry writes retried when sqlite still reports a lock after the busy timeout."""
+
+
+def checks_tags(failed: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """The version tags recording which blocking checks failed (none: passed)."""
+    return {CHECKS_TAG: "failed" if failed else "passed", CHECKS_FAILED_TAG: ",".join(failed)}
+
+
+def promotion_refusal(tags: dict[str, str]) -> str | None:
+    """Why a version with these tags may not be promoted, or None when it may."""
+    verdict = tags.get(CHECKS_TAG)
+    if verdict == "passed":
+        return None
+    if verdict == "failed":
+        return f"its blocking checks failed ({tags.get(CHECKS_FAILED_TAG) or 'unnamed'})"
+    return f"it has no {CHECKS_TAG} tag: it was not registered by a checked asset"
 
 
 def registered_model_name(experiment: str) -> str:
@@ -41,15 +67,18 @@ _TUNED_SQLITE: set[str] = set()
 
 
 def tune_sqlite(uri: str) -> None:
-    """Put the sqlite database of `uri` (sqlite:///path) in WAL mode with `synchronous=NORMAL` on
-    every connection this process opens to it.
+    """Put the sqlite database of `uri` (sqlite:///path) in WAL mode with `synchronous=NORMAL` and a
+    busy timeout of `BUSY_TIMEOUT_MS` on every connection this process opens to it.
 
     MLflow's sqlite store otherwise uses a rollback journal and fsyncs several times per commit
     (each logged batch, version, tag), which costs 5-20 ms per commit while other processes write
     to the disk. WAL with NORMAL is sqlite's recommended pair: commits survive a crash of the
     process and the database is never corrupted; an OS crash or power loss may drop the last
     commits. Other URIs are left alone. The journal mode is a property of the file, so other
-    readers (`mlflow ui`) simply follow it.
+    readers (`mlflow ui`) simply follow it. In WAL mode readers never wait for the writer, and
+    writers (several step processes registering versions) wait for each other: the busy timeout
+    set here covers the journal-mode switch at connect, MLflow sets 20 s for each of its sessions,
+    and a registry write still locked after that is retried (`_unlocked`).
     """
     if not uri.startswith("sqlite:///"):
         return
@@ -67,6 +96,8 @@ def tune_sqlite(uri: str) -> None:
                 return
             row = dbapi_conn.execute("PRAGMA database_list").fetchone()
             if row and row[2] and os.path.realpath(row[2]) in _TUNED_SQLITE:
+                # first, so that switching the journal mode waits for other writers too
+                dbapi_conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
                 dbapi_conn.execute("PRAGMA journal_mode=WAL").fetchall()
                 dbapi_conn.execute("PRAGMA synchronous=NORMAL")
     _TUNED_SQLITE.add(path)
@@ -188,26 +219,41 @@ class Tracker:
                 pass  # created concurrently
         self._models.add(name)
 
-    def find_version(self, name: str, **tags: str):
-        """The newest version of `name` whose tags include all of `tags`, or None."""
+    def find_version(self, name: str, oldest: bool = False, **tags: str):
+        """The newest (or oldest) version of `name` whose tags include all of `tags`, or None."""
         filt = " and ".join([f"name = '{name}'"] + [f"tags.`{k}` = '{v}'" for k, v in tags.items()])
-        found = self.client.search_model_versions(filt, max_results=10, order_by=["version_number DESC"])
+        order = "ASC" if oldest else "DESC"
+        found = self.client.search_model_versions(filt, max_results=10, order_by=[f"version_number {order}"])
         return found[0] if found else None
 
     def register_adapter(self, run_id: str, name: str, local_dir: str | Path, artifact_path: str,
                          tags: dict[str, str]) -> str:
         """Log `local_dir` as run artifacts and register them as a version of `name`; returns the version.
 
-        Idempotent: a version with the same `partition` and `content_hash` tags is returned as is.
+        Idempotent: a version with the same `partition` and `content_hash` tags is returned as is
+        (its `tinker.checks` tags brought up to date). Two processes registering the same one at
+        once both create a version; each then keeps the lowest of them and the later one deletes
+        its own, so both return the same version.
         """
+        tags = {k: str(v) for k, v in tags.items()}
         self._ensure_model(name)
-        if "partition" in tags and "content_hash" in tags:
-            existing = self.find_version(name, partition=tags["partition"], content_hash=tags["content_hash"])
+        same = {"partition": tags["partition"], "content_hash": tags["content_hash"]} \
+            if "partition" in tags and "content_hash" in tags else None
+        if same:
+            existing = self.find_version(name, **same)
             if existing is not None:
+                for key in (CHECKS_TAG, CHECKS_FAILED_TAG):
+                    if key in tags and existing.tags.get(key) != tags[key]:
+                        self.set_version_tag(name, existing.version, key, tags[key])
                 return str(existing.version)
         self.client.log_artifacts(run_id, str(local_dir), artifact_path=artifact_path)
         source = f"{self.artifact_uri(run_id)}/{artifact_path}"
-        mv = self.client.create_model_version(name, source, run_id=run_id, tags={k: str(v) for k, v in tags.items()})
+        mv = _unlocked(lambda: self.client.create_model_version(name, source, run_id=run_id, tags=tags))
+        if same:
+            first = self.find_version(name, oldest=True, **same)
+            if first is not None and int(first.version) < int(mv.version):
+                _unlocked(lambda: self.client.delete_model_version(name, str(mv.version)))
+                return str(first.version)
         return str(mv.version)
 
     def set_version_tag(self, name: str, version: str, key: str, value: Any) -> None:
@@ -240,6 +286,20 @@ class Tracker:
         out = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dest),
                                                   tracking_uri=self.tracking_uri)
         return Path(out)
+
+
+def _unlocked(write):
+    """`write()`, retried with backoff while sqlite reports "database is locked" (a lock held past
+    the busy timeout); a locked write changed nothing, so repeating it is safe."""
+    from mlflow.exceptions import MlflowException
+
+    for attempt in range(LOCKED_RETRIES + 1):
+        try:
+            return write()
+        except MlflowException as e:
+            if "database is locked" not in str(e) or attempt == LOCKED_RETRIES:
+                raise
+            time.sleep(0.2 * 2 ** attempt)
 
 
 def learning_curve_png(series: dict[str, list[tuple[int, float]]], title: str = "") -> bytes:

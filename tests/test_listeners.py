@@ -10,6 +10,7 @@ listener at all: its Unix socket and key file must be open to their owner only.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -174,3 +175,22 @@ def test_worker_has_no_network_listener_and_an_owner_only_socket(tmp_path):
         assert stat.S_IMODE(address.parent.stat().st_mode) == 0o755
     finally:
         _stop(proc)
+
+
+def test_one_process_deepspeed_group_has_no_network_listener(tmp_path):
+    """Outside torchrun the learner makes its own one-rank group; its store is a file, so the
+    process listens on nothing (gloo's own pair sockets are bound to loopback)."""
+    code = ("import json, os, socket, psutil\n"
+            "from tinker_pipelines.deepspeed_learner import init_process_group\n"
+            "import torch.distributed as dist\n"
+            "init_process_group()\n"
+            "assert dist.is_initialized() and dist.get_world_size() == 1\n"
+            "conns = psutil.Process().net_connections(kind='inet')\n"
+            "print(json.dumps([[c.laddr.ip, c.laddr.port, c.status] for c in conns"
+            " if c.status == psutil.CONN_LISTEN or c.type == socket.SOCK_DGRAM]))\n")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    listening = json.loads(out.stdout.strip().splitlines()[-1])
+    assert all(ip.startswith("127.") or ip == "::1" for ip, _, _ in listening), listening

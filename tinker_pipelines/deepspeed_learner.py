@@ -29,6 +29,7 @@ import hashlib
 import math
 import os
 import socket
+import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -56,15 +57,19 @@ def _deepspeed():
 def init_process_group() -> None:
     """Join torchrun's process group, or make a one-process group when not launched by torchrun."""
     deepspeed = _deepspeed()
-    if not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from deepspeed.accelerator import get_accelerator
 
     # gloo on CPU (the CPU accelerator would ask for oneCCL, which is not installed)
     backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
+    if not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
+        # A file store, not env:// — torch's TCPStore would listen on every interface (::) for as
+        # long as the learner lives, whatever MASTER_ADDR says.
+        store = Path(tempfile.mkdtemp(prefix="tinker-ds-")) / "store"
+        with socket.socket() as s:  # set for DeepSpeed's environment check (no MPI discovery); nothing binds it
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.distributed.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 

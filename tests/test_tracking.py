@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tinker_pipelines.tracking import LocalStore, Tracker, open_store
-from tinker_pipelines.tracking.mlflow_tracker import flatten, learning_curve_png
+from tinker_pipelines.tracking.mlflow_tracker import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, experiment_ui_path, flatten,
+                                                       learning_curve_png)
 from tinker_pipelines.tracking.store import dumps, loads
 
 
@@ -22,6 +23,22 @@ def test_one_run_per_experiment_found_by_tag(tracker, tmp_path):
     fresh = Tracker(tracker.tracking_uri, "t")  # another process: lookup by tag, not memory
     assert fresh.experiment_run("exp") == run and fresh.experiment_run("other") != run
     assert tracker.client.get_run(run).data.params == {"training.learning_rate": "0.1", "seed": "1"}
+
+
+def test_experiment_declares_itself_model_training(tracker):
+    """MLflow 3's `mlflow.experimentKind`: set on a new experiment, added to an old one without it,
+    kept when someone chose another kind (the REST API's view: tests/test_ui_browser.py)."""
+    kind = EXPERIMENT_KIND_TAG
+    assert (EXPERIMENT_KIND, kind) == ("custom_model_development", "mlflow.experimentKind")
+    assert tracker.client.get_experiment(tracker.experiment_id).tags[kind] == "custom_model_development"
+    old = tracker.client.create_experiment("made-before-the-tag")  # as a store from before this change holds it
+    assert kind not in tracker.client.get_experiment(old).tags
+    assert Tracker(tracker.tracking_uri, "made-before-the-tag").experiment_id == old
+    assert tracker.client.get_experiment(old).tags[kind] == "custom_model_development"
+    chosen = tracker.client.create_experiment("chosen-by-hand", tags={kind: "genai_development"})
+    Tracker(tracker.tracking_uri, "chosen-by-hand")
+    assert tracker.client.get_experiment(chosen).tags[kind] == "genai_development"
+    assert experiment_ui_path("7") == "/#/experiments/7/runs?workflowType=machine_learning&compareRunsMode=CHART"
 
 
 def test_metrics_logged_once_per_step(tracker):

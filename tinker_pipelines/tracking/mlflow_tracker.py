@@ -11,6 +11,10 @@
 - Every version carries the verdict of its blocking checks (`tinker.checks`: passed/failed, and
   `tinker.checks.failed`: which); only a passed version may become `champion` (`promotion_refusal`).
 - Aliases (`champion`), not stages.
+- The MLflow experiment declares itself a model-training one (MLflow 3's experiment tag
+  `mlflow.experimentKind` = `custom_model_development`, set at creation and added to an existing
+  experiment that lacks it), not a GenAI one; `experiment_ui_path` is the UI link that opens on
+  its runs and their charts.
 - An embedded sqlite store runs in WAL mode with `synchronous=NORMAL` and busy timeouts (see
   `tune_sqlite`), so concurrent writers queue instead of failing with "database is locked".
 """
@@ -30,6 +34,20 @@ BUSY_TIMEOUT_MS = 60_000
 """How long a new connection to an embedded sqlite store waits for another process's lock."""
 LOCKED_RETRIES = 5
 """Registry writes retried when sqlite still reports a lock after the busy timeout."""
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+"""MLflow 3's experiment tag for what an experiment holds (`genai_development`: traces of an app;
+`custom_model_development`: training runs with metrics)."""
+EXPERIMENT_KIND = "custom_model_development"
+"""Our experiments hold training runs: MLflow's UI is to show their runs and charts, not traces."""
+
+
+def experiment_ui_path(experiment_id: str) -> str:
+    """The MLflow UI page (after the server's address) with the runs of an experiment as charts.
+
+    MLflow 3.17's UI picks its GenAI or model-training view by a switch kept in the browser
+    (GenAI on a first visit) or by the `workflowType` query parameter, not by the experiment's
+    kind: this link names the model-training view, the runs tab and the chart view."""
+    return f"/#/experiments/{experiment_id}/runs?workflowType=machine_learning&compareRunsMode=CHART"
 
 
 def checks_tags(failed: list[str] | tuple[str, ...]) -> dict[str, str]:
@@ -121,11 +139,14 @@ class Tracker:
         exp = self.client.get_experiment_by_name(experiment_name)
         if exp is None:
             try:
-                self.experiment_id = self.client.create_experiment(experiment_name, artifact_location=artifact_location)
+                self.experiment_id = self.client.create_experiment(experiment_name, artifact_location=artifact_location,
+                                                                   tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+                return
             except Exception:  # created concurrently by another process
-                self.experiment_id = self.client.get_experiment_by_name(experiment_name).experiment_id
-        else:
-            self.experiment_id = exp.experiment_id
+                exp = self.client.get_experiment_by_name(experiment_name)
+        self.experiment_id = exp.experiment_id
+        if EXPERIMENT_KIND_TAG not in exp.tags:  # created before we declared it, or by hand: a kind set there stays
+            self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
 
     # -- runs and metrics -----------------------------------------------------------------
     def find_run(self, experiment: str) -> str | None:

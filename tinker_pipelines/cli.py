@@ -170,7 +170,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     model.requires_grad_(False)
     engine = Engine(model, tok.pad_token_id, stop_token_ids(tok), base_identity(args.model, kwargs, args.seed),
                     EngineConfig(batching=not args.no_batching, max_rows=args.max_rows, max_train_rows=args.max_train_rows,
-                                 max_lora_rank=args.max_lora_rank, exclusive=args.exclusive))
+                                 max_lora_rank=args.max_lora_rank, exclusive=args.exclusive), tokenizer=tok)
     try:
         WorkerServer(engine, socket.resolve(), window_s=args.window_ms / 1000).serve_forever()
     except OSError as e:

@@ -152,6 +152,16 @@ class TrainingConfig:
     """Policy turns per episode."""
     temperature: float = 1.0
     """Sampling temperature during training rollouts."""
+    top_k: int = 0
+    """Sample among the k most likely tokens (0: off); the learner's logprobs are those of the
+    truncated, renormalized distribution the sampler drew from."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of most likely tokens with this much mass (1.0: off)."""
+    min_p: float = 0.0
+    """Sample among tokens at least min_p x as likely as the most likely one (0.0: off)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: a turn ends at the sampled token that completes one (kept in the
+    trajectory); the environment sees the text before it. Also in evaluation."""
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
     micro_batch_size: int = 64
@@ -240,6 +250,10 @@ class Config:
                      "micro_batch_size"):
             _require(getattr(t, name) >= 1, f"training.{name}", "must be >= 1", getattr(t, name))
         _require(t.temperature > 0, "training.temperature", "must be positive", t.temperature)
+        _require(0 <= t.top_k, "training.top_k", "must be >= 0 (0: off)", t.top_k)
+        _require(0 < t.top_p <= 1, "training.top_p", "must be in (0, 1] (1: off)", t.top_p)
+        _require(0 <= t.min_p < 1, "training.min_p", "must be in [0, 1) (0: off)", t.min_p)
+        _require(all(isinstance(x, str) and x for x in t.stop), "training.stop", "must be non-empty strings", t.stop)
         ds = t.deepspeed
         _require(ds.stage in (0, 2, 3), "training.deepspeed.stage", "must be 0, 2 or 3", ds.stage)
         _require(ds.stage == 0 or t.mode == "full", "training.mode",
@@ -313,6 +327,10 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
             raise ConfigError(f"{name} must be {origin.__name__}, got {value!r}")
     if origin is dict and not isinstance(value, dict):
         raise ConfigError(f"{name} must be a mapping, got {value!r}")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name} must be a list, got {value!r}")
+        value = list(value)
     return value
 
 

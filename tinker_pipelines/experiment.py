@@ -8,6 +8,7 @@ it imports none of them.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import time
@@ -94,8 +95,9 @@ class Experiment:
         self.loss_cfg = LossConfig(a.clip_eps, a.kl_coef, a.kl_estimator, a.normalization, gamma=a.gamma,
                                    gae_lambda=a.gae_lambda, vf_coef=a.vf_coef, value_clip=a.value_clip,
                                    whiten_advantages=a.whiten_advantages)
-        self.rollout_cfg = RolloutConfig(cfg.training.max_new_tokens, cfg.training.temperature,
-                                         cfg.training.max_turns)
+        t = cfg.training
+        self.rollout_cfg = RolloutConfig(t.max_new_tokens, t.temperature, t.max_turns, top_k=t.top_k, top_p=t.top_p,
+                                         min_p=t.min_p, stop=tuple(t.stop))
 
     def _connect(self, worker: "WorkerClient | str", base: str | Path | None) -> "WorkerClient":
         from tinker_pipelines.worker.client import WorkerClient
@@ -166,6 +168,8 @@ class Experiment:
         mb = max(2, t.micro_batch_size - t.micro_batch_size % 2) if self.algorithm.pairwise else t.micro_batch_size
         lcfg = LearnerConfig(mode=t.mode, learning_rate=t.learning_rate, lora_rank=t.lora_rank,
                              lora_alpha=t.lora_alpha, grad_clip=t.grad_clip, temperature=t.temperature,
+                             # the RL losses see the truncated sampling distribution; DPO's is the model's own
+                             **({} if self.algorithm.pairwise else dict(top_k=t.top_k, top_p=t.top_p, min_p=t.min_p)),
                              micro_batch_size=mb, share_prefix=t.share_prefix,
                              needs_reference=self.cfg.algorithm.kl_coef > 0 or self.algorithm.needs_reference,
                              value_head=self.algorithm.value_head,
@@ -203,7 +207,7 @@ class Experiment:
             if self.learner is None:
                 self.start_rl()
             return RemoteSampler(self.worker, self.name)
-        return Sampler(self.policy, self.tokenizer.pad_token_id, stop_token_ids(self.tokenizer))
+        return Sampler(self.policy, self.tokenizer.pad_token_id, stop_token_ids(self.tokenizer), tokenizer=self.tokenizer)
 
     def rollout(self, iteration: int) -> RolloutStats:
         """Sample `groups_per_batch` tasks x `group_size` episodes for `iteration`."""
@@ -247,7 +251,7 @@ class Experiment:
         """Greedy decoding on held-out tasks; returns eval/* metrics."""
         n = num_tasks or self.cfg.eval.num_tasks
         seeds = [EVAL_SEED_OFFSET + i for i in range(n)]
-        cfg = RolloutConfig(self.rollout_cfg.max_new_tokens, 0.0, self.rollout_cfg.max_turns)
+        cfg = dataclasses.replace(self.rollout_cfg, temperature=0.0)  # greedy; stop strings still apply
         start = time.perf_counter()
         trajs = run_episodes(self.sampler(), self.tokenizer, [self.eval_spec.build() for _ in seeds], seeds, cfg)
         stats = summarize_groups([TrajectoryGroup(tuple(trajs))])

@@ -18,7 +18,7 @@ import json
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ import torch
 
 from tinker_pipelines.checkpoint import read_record
 from tinker_pipelines.config import ConfigError, config_from_dict
-from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes
+from tinker_pipelines.rollout.episodes import run_episodes
 from tinker_pipelines.experiment import EVAL_SEED_OFFSET, Experiment, derived_seed
 from tinker_pipelines.types import Trajectory
 
@@ -125,7 +125,8 @@ def run_inference(exp: Experiment, cfg: InferenceConfig) -> InferenceResult:
     task_seeds = [base_seed + i for i in range(cfg.num_tasks)]
     seeds = [s for s in task_seeds for _ in range(cfg.samples_per_task)]
     ro = exp.rollout_cfg
-    rollout_cfg = RolloutConfig(cfg.max_new_tokens or ro.max_new_tokens, cfg.temperature, ro.max_turns)
+    # the experiment's truncation and stop strings, at this job's temperature and length
+    rollout_cfg = replace(ro, max_new_tokens=cfg.max_new_tokens or ro.max_new_tokens, temperature=cfg.temperature)
     # greedy decoding draws no uniforms; a generator only when sampling, seeded from the config alone
     gen = torch.Generator().manual_seed(derived_seed(cfg.seed, "inference")) if cfg.temperature > 0 else None
     start = time.perf_counter()

@@ -27,6 +27,7 @@ from tinker_pipelines import checkpoint as ckpt
 from tinker_pipelines.algorithms.losses import LossBatch, LossConfig, LossFn
 from tinker_pipelines.prefix_sharing import (PrefixPlan, plan_prefix_sharing, shared_prefix_forward,
                                              supports_prefix_sharing)
+from tinker_pipelines.rollout.truncation import check_params, target_logprobs
 from tinker_pipelines.types import Datum
 
 
@@ -52,6 +53,13 @@ class LearnerConfig:
     """Clip the global gradient norm to this (0 disables)."""
     temperature: float = 1.0
     """Sampling temperature: logits are divided by it so logprobs match the sampler's."""
+    top_k: int = 0
+    """The sampler's top-k (0: off): logprobs are those of the same truncated, renormalized
+    distribution (`rollout.truncation.target_logprobs`)."""
+    top_p: float = 1.0
+    """The sampler's top-p (1.0: off), likewise."""
+    min_p: float = 0.0
+    """The sampler's min-p (0.0: off), likewise."""
     micro_batch_size: int = 64
     """Sequences per forward pass; gradients accumulate across micro-batches."""
     needs_reference: bool = False
@@ -76,6 +84,7 @@ class LearnerConfig:
             raise ValueError(f"training.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.temperature <= 0:
             raise ValueError(f"training.temperature must be positive for training, got {self.temperature}")
+        check_params(self.top_k, self.top_p, self.min_p, prefix="training.")
 
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -221,6 +230,7 @@ class Learner:
 
     def _forward(self, model: torch.nn.Module, padded: _Padded, only_weighted: bool = True,
                  values: bool = False, *, temperature: float | torch.Tensor | None = None,
+                 truncation: tuple | None = None,
                  head: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  plan: PrefixPlan | None | str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs of the targets and, with `values`, the value head's values, both [B, T]. With
@@ -229,24 +239,27 @@ class Learner:
         are a large share of the step); earlier positions read 0. With `cfg.share_prefix`, a prompt
         shared by consecutive datums runs once per run of them (`prefix_sharing`, the same function);
         its positions read 0 as well. A batch of several experiments' rows (`worker.batching`)
-        passes a per-row `temperature` [B, 1, 1], its own `head` and the prefix `plan` it made."""
+        passes a per-row `temperature` [B, 1, 1] and `truncation` (top_k, top_p, min_p) [B, 1],
+        its own `head` and the prefix `plan` it made. Logprobs are of the sampling distribution:
+        logits / temperature, truncated and renormalized as the sampler does (`target_logprobs`)."""
         B, T = padded.inputs_BT.shape
         temperature = self.cfg.temperature if temperature is None else temperature
+        if truncation is None:
+            truncation = (self.cfg.top_k, self.cfg.top_p, self.cfg.min_p)
         head = (self.value_head if values else None) if head is None else head
         if only_weighted and self.cfg.share_prefix and supports_prefix_sharing(model):
             if isinstance(plan, str):
                 plan = plan_prefix_sharing(padded.inputs_BT, padded.mask_BT, padded.fields["weights"])
             if plan is not None:
                 return shared_prefix_forward(model, plan, padded.inputs_BT, padded.targets_BT, padded.fields["weights"],
-                                             temperature, head)
+                                             temperature, head, truncation=truncation)
         start = 0
         if only_weighted:
             weighted_B = padded.fields["weights"].ne(0).float().argmax(dim=1)
             start = int(weighted_B.min()) if padded.fields["weights"].any() else 0
         out = model(input_ids=padded.inputs_BT, attention_mask=padded.mask_BT, logits_to_keep=T - start,
                     output_hidden_states=head is not None)
-        logprobs_BKV = torch.log_softmax(out.logits.float() / temperature, dim=-1)
-        lp_BK = logprobs_BKV.gather(-1, padded.targets_BT[:, start:, None]).squeeze(-1)
+        lp_BK = target_logprobs(out.logits, padded.targets_BT[:, start:], temperature, *truncation)
         v_BK = head(out.hidden_states[-1][:, start:]) if head is not None else None
         if start:
             lp_BK = torch.nn.functional.pad(lp_BK, (start, 0))

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from tinker_pipelines.rollout.truncation import target_logprobs
+
 SUPPORTED_MODEL_TYPES = ("llama",)
 """Architectures whose forward is verified to take a grad-carrying `DynamicCache`, explicit
 position ids and a 4D additive mask (tests/test_prefix_sharing.py)."""
@@ -114,9 +116,11 @@ def _additive_mask(plan: PrefixPlan, Lp: int, Lc: int, dtype: torch.dtype) -> to
 
 def shared_prefix_forward(model: torch.nn.Module, plan: PrefixPlan, inputs_BT: torch.Tensor,
                           targets_BT: torch.Tensor, weights_BT: torch.Tensor, temperature: float,
-                          value_head: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          value_head: torch.nn.Module | None = None,
+                          truncation: tuple = (0, 1.0, 0.0)) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs of the targets and (with `value_head`) values, both [B, T]; positions before the
-    first weighted continuation position of the micro-batch, and each run's prefix, read 0."""
+    first weighted continuation position of the micro-batch, and each run's prefix, read 0.
+    `truncation` is the sampler's (top_k, top_p, min_p) (`rollout.truncation.target_logprobs`)."""
     B, T = inputs_BT.shape
     device = inputs_BT.device
     run_B, plen_P = plan.run_B.to(device), plan.prefix_len_P.to(device)
@@ -145,8 +149,7 @@ def shared_prefix_forward(model: torch.nn.Module, plan: PrefixPlan, inputs_BT: t
     out = model(input_ids=cont_BC, attention_mask=_additive_mask(plan, Lp, Lc, dtype).to(device),
                 position_ids=pos_BC, cache=expanded, use_cache=True, logits_to_keep=Lc - start,
                 output_hidden_states=value_head is not None)
-    logprobs_BKV = torch.log_softmax(out.logits.float() / temperature, dim=-1)
-    lp_BK = logprobs_BKV.gather(-1, targets_BT.gather(1, gather_BC)[:, start:, None]).squeeze(-1)
+    lp_BK = target_logprobs(out.logits, targets_BT.gather(1, gather_BC)[:, start:], temperature, *truncation)
 
     scatter_BK = torch.where(valid_BC, pos_BC, T + j_C[None, :])[:, start:]
 

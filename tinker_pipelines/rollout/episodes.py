@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tinker_pipelines.envs.base import Env, EnvSpec, checked_reset, checked_step
 from tinker_pipelines.models import render_chat
-from tinker_pipelines.rollout.sampler import ContextOverflowError, Sampler
+from tinker_pipelines.rollout.sampler import ContextOverflowError, Sampler, completion_text
 from tinker_pipelines.types import Message, Trajectory, TrajectoryGroup, Turn
 
 
@@ -28,6 +28,24 @@ class RolloutConfig:
     """Sampling temperature; 0 is greedy."""
     max_turns: int = 1
     """Policy actions per episode before it is cut off."""
+    top_k: int = 0
+    """Sample among the k most likely tokens (0: off); see `rollout.truncation`."""
+    top_p: float = 1.0
+    """Sample within the nucleus of this much mass (1.0: off)."""
+    min_p: float = 0.0
+    """Sample among tokens at least min_p x as likely as the most likely one (0.0: off)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: a turn ends at the token that completes one. The turn's tokens (the
+    trajectory) keep every sampled token up to and including that one; the action the env sees
+    is the text before the stop string."""
+
+    def sampling_kwargs(self) -> dict:
+        """The sampler keyword arguments that differ from plain sampling (none by default)."""
+        out = {k: getattr(self, k) for k, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
+               if getattr(self, k) != off}
+        if self.stop:
+            out["stop"] = tuple(self.stop)
+        return out
 
 
 @dataclass
@@ -92,10 +110,10 @@ def run_episodes(sampler: Sampler, tokenizer: PreTrainedTokenizerBase, envs: lis
             live = [e for e in live if e.stop_reason is None]
             if not live:
                 break
-        samples = sampler.sample([e.context for e in live], cfg.max_new_tokens, cfg.temperature, generator)
+        samples = sampler.sample([e.context for e in live], cfg.max_new_tokens, cfg.temperature, generator,
+                                 **cfg.sampling_kwargs())
         for e, s in zip(live, samples):
-            content = [t for t in s.tokens if t not in stop_ids]
-            action = tokenizer.decode(content, skip_special_tokens=True)
+            action = completion_text(tokenizer, s, stop_ids)
             result = checked_step(e.env, action)
             e.turns.append(Turn(tuple(e.context), s.tokens, s.logprobs, float(result.reward), action))
             e.info = dict(result.info)

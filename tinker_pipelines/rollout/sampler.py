@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from tinker_pipelines.rollout.lean_llama import LeanLlamaDecoder, PromptStore, weights_fingerprint
+from tinker_pipelines.rollout.truncation import check_params, is_active, keep_mask, truncated_logprobs
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,12 @@ class Sample:
     logprobs: tuple[float, ...]
     """Logprob of each sampled token under the sampling distribution (logits / temperature)."""
     stop_reason: str
-    """'stop' (a stop token was sampled) or 'length' (max_new_tokens reached)."""
+    """'stop' (a stop token was sampled, or the text reached a stop string) or 'length'
+    (max_new_tokens reached)."""
+    stop_string: str | None = None
+    """The stop string that ended the completion (None: none did). `tokens` then run up to and
+    including the token that completed it (that token may carry text past the stop string);
+    `completion_text` gives the text before it."""
 
 
 @dataclass
@@ -57,6 +63,15 @@ class SampleRequest:
     adapter: str | None = None
     """The LoRA adapter its rows decode with; `BASE` for the bare base model; None: the model's
     active adapter, as it is set."""
+    top_k: int = 0
+    """Keep the k most likely tokens (ties at the k-th kept); 0: off. See `rollout.truncation`."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens with this much mass (ties at the cut kept); 1.0: off."""
+    min_p: float = 0.0
+    """Keep tokens with probability >= min_p x the most likely one's; 0.0: off."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: a row ends at the token with which its decoded text (special tokens
+    skipped) first contains one of them; needs the sampler's tokenizer."""
 
 
 BASE = "__base__"
@@ -69,18 +84,25 @@ class ContextOverflowError(ValueError):
 
 def sample_tokens(logits_BV: torch.Tensor, temperature: float | torch.Tensor,
                   generator: torch.Generator | None = None,
-                  uniforms_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  uniforms_B: torch.Tensor | None = None, *, top_k: int | torch.Tensor = 0,
+                  top_p: float | torch.Tensor = 1.0,
+                  min_p: float | torch.Tensor = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row; return (tokens_B, logprobs_B). Temperature 0 is greedy.
 
-    `temperature` is one value or one per row. Greedy logprobs are reported at temperature 1.
+    `temperature`, `top_k`, `top_p` and `min_p` are one value or one per row (`truncation`:
+    0 / 1.0 / 0.0 switch a row's truncation off). A sampled row draws from softmax(logits / T)
+    truncated and renormalized, and its logprob is that distribution's; a greedy row takes the
+    argmax (truncation cannot change it) and reports its logprob at temperature 1, untruncated.
     Sampling inverts the CDF with one uniform per row (cumsum + searchsorted), ~10x cheaper on
     CPU than `torch.multinomial` at vocab 8k+; the uniforms are `uniforms_B`, else drawn from
     `generator` on its own device and moved to the logits' device (so a CPU generator gives the
     same draws whatever device the model is on). The search is right-sided: a uniform of exactly
-    0 picks the first token with probability mass, never a zero-probability one.
+    0 picks the first token with probability mass, never a zero-probability one; a uniform whose
+    scaled value rounds up to the total mass picks the last token with mass (not the last token).
     """
     logits_BV = logits_BV.float()
     B, V = logits_BV.shape
+    truncation = (top_k, top_p, min_p) if is_active(top_k, top_p, min_p) else None
     if isinstance(temperature, torch.Tensor):
         temp_B = temperature.to(logits_BV.device, torch.float32)
         greedy_B = temp_B.eq(0)
@@ -90,27 +112,50 @@ def sample_tokens(logits_BV: torch.Tensor, temperature: float | torch.Tensor,
             temperature = 0.0
         else:
             scaled = logits_BV / torch.where(greedy_B, 1.0, temp_B)[:, None]
-            return _invert_cdf(torch.log_softmax(scaled, dim=-1), generator, uniforms_B, greedy_B)
+            return _invert_cdf(torch.log_softmax(scaled, dim=-1), generator, uniforms_B, greedy_B, truncation)
     if isinstance(temperature, (int, float)) and temperature == 0:
         logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
         tokens_B = logprobs_BV.argmax(dim=-1)
         return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
     scaled = logits_BV if isinstance(temperature, (int, float)) and temperature == 1 else logits_BV / temperature
-    return _invert_cdf(torch.log_softmax(scaled, dim=-1), generator, uniforms_B, None)
+    return _invert_cdf(torch.log_softmax(scaled, dim=-1), generator, uniforms_B, None, truncation)
 
 
 def _invert_cdf(logprobs_BV: torch.Tensor, generator: torch.Generator | None, uniforms_B: torch.Tensor | None,
-                greedy_B: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                greedy_B: torch.Tensor | None, truncation: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     B, V = logprobs_BV.shape
     if uniforms_B is None:
         device = generator.device if generator is not None else "cpu"
         uniforms_B = torch.rand(B, generator=generator, device=device)
-    cdf_BV = logprobs_BV.exp().cumsum(dim=-1)
-    u_B1 = uniforms_B.to(logprobs_BV.device)[:, None] * cdf_BV[:, -1:]
-    tokens_B = torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(1).clamp_(max=V - 1)
+    sample_lp_BV = logprobs_BV
+    if truncation is not None:
+        keep_BV = keep_mask(logprobs_BV, *truncation)
+        if greedy_B is not None:
+            keep_BV |= greedy_B[:, None]
+        sample_lp_BV = truncated_logprobs(logprobs_BV, keep_BV)
+    cdf_BV = sample_lp_BV.exp().cumsum(dim=-1)
+    total_B1 = cdf_BV[:, -1:].contiguous()
+    u_B1 = uniforms_B.to(logprobs_BV.device)[:, None] * total_B1
+    tokens_B = torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(1)
+    # u * total may round up to total (u the largest float below 1): the last token with mass,
+    # the first one whose cumulative sum reaches the total (trailing tokens may have none)
+    tokens_B = torch.minimum(tokens_B, torch.searchsorted(cdf_BV, total_B1).squeeze(1))
     if greedy_B is not None:
         tokens_B = torch.where(greedy_B, logprobs_BV.argmax(dim=-1), tokens_B)
-    return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+        if truncation is not None:
+            sample_lp_BV = torch.where(greedy_B[:, None], logprobs_BV, sample_lp_BV)
+    return tokens_B, sample_lp_BV.gather(1, tokens_B[:, None]).squeeze(1)
+
+
+def completion_text(tokenizer: PreTrainedTokenizerBase, sample: Sample, stop_token_ids: list[int] | tuple = ()) -> str:
+    """A completion's text as an OpenAI-style API returns it: stop tokens and special tokens
+    dropped, and cut before the stop string that ended it (the trajectory keeps every sampled
+    token, the stop string included)."""
+    stop_ids = set(stop_token_ids)
+    text = tokenizer.decode([t for t in sample.tokens if t not in stop_ids], skip_special_tokens=True)
+    if sample.stop_string is not None and (at := text.find(sample.stop_string)) >= 0:
+        text = text[:at]
+    return text
 
 
 class _HFDecoder:
@@ -152,8 +197,11 @@ class Sampler:
     """
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int, stop_token_ids: list[int],
-                 max_context: int | None = None, lean: bool = True, reuse_prompts: bool = True):
+                 max_context: int | None = None, lean: bool = True, reuse_prompts: bool = True,
+                 tokenizer: PreTrainedTokenizerBase | None = None):
         self.model = model
+        self.tokenizer = tokenizer
+        """Decodes completions to test stop strings (requests with `stop` need one)."""
         self.pad_token_id = pad_token_id
         self.stop_token_ids = list(stop_token_ids)
         self.max_context = max_context or getattr(model.config, "max_position_embeddings", None)
@@ -183,9 +231,12 @@ class Sampler:
         return _HFDecoder(self.model), None
 
     def sample(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
-               generator: torch.Generator | None = None) -> list[Sample]:
-        """Complete every prompt; rows are independent of each other's lengths."""
-        return self.sample_requests([SampleRequest(prompts, max_new_tokens, temperature, generator)])[0]
+               generator: torch.Generator | None = None, *, top_k: int = 0, top_p: float = 1.0,
+               min_p: float = 0.0, stop: tuple[str, ...] | list[str] = ()) -> list[Sample]:
+        """Complete every prompt; rows are independent of each other's lengths. `top_k`, `top_p`,
+        `min_p` and `stop` are `SampleRequest`'s (the defaults: no truncation, no stop strings)."""
+        return self.sample_requests([SampleRequest(prompts, max_new_tokens, temperature, generator, top_k=top_k,
+                                                   top_p=top_p, min_p=min_p, stop=tuple(stop))])[0]
 
     def supports_mixed_adapters(self) -> bool:
         """Whether rows of different LoRA adapters can decode in one batch (lean Llama path,
@@ -237,6 +288,11 @@ class Sampler:
     def _check(self, r: SampleRequest) -> None:
         if r.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {r.temperature}")
+        check_params(r.top_k, r.top_p, r.min_p)
+        if not all(isinstance(x, str) and x for x in r.stop):
+            raise ValueError(f"stop must be non-empty strings, got {r.stop!r}")
+        if r.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the sampler's tokenizer (Sampler(..., tokenizer=...))")
         if r.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {r.max_new_tokens}")
         if any(len(p) == 0 for p in r.prompts):
@@ -311,6 +367,17 @@ class Sampler:
         temp_B = torch.tensor([temps[i] for i in req_of], device=device)
         maxnew_B = torch.tensor([requests[i].max_new_tokens for i in req_of], device=device)
         req_B = torch.tensor(req_of, device=device)
+        # truncation: scalars when every request agrees (no per-step syncs), else one value per row
+        params = {(r.top_k, r.top_p, r.min_p) for r in requests}
+        trunc: tuple | None = None
+        if any(is_active(*x) for x in params):
+            trunc = next(iter(params)) if len(params) == 1 else (
+                torch.tensor([requests[i].top_k for i in req_of], device=device),
+                torch.tensor([requests[i].top_p for i in req_of], device=device),
+                torch.tensor([requests[i].min_p for i in req_of], device=device))
+        # stop strings: the decoded tail of each live row that has some, tested every step
+        window = max((len(x) for r in requests for x in r.stop), default=0) + 3
+        stop_hit: dict[int, str] = {}  # original row -> the stop string that ended it
         tok_BT = torch.empty((B, M), dtype=torch.long, device=device)
         lp_BT = torch.empty((B, M), dtype=torch.float32, device=device)
         live_B = torch.ones(B, dtype=torch.bool, device=device)
@@ -328,8 +395,24 @@ class Sampler:
             toks, lps, ends = tok_BT[idx, :t_end].tolist(), lp_BT[idx, :t_end].tolist(), end_B[idx].tolist()
             for j, i in enumerate(idx):
                 n = ends[j]
+                hit = stop_hit.get(rows[i])
                 results[rows[i]] = Sample(tuple(toks[j][:n]), tuple(lps[j][:n]),
-                                          "stop" if toks[j][n - 1] in stop_set else "length")
+                                          "stop" if hit is not None or toks[j][n - 1] in stop_set else "length", hit)
+
+        def stop_string_hits(t: int, candidates_B: torch.Tensor) -> list[int]:
+            """Batch rows among `candidates_B` whose text now contains one of their stop strings."""
+            idx = [i for i in candidates_B.nonzero().squeeze(1).tolist() if requests[req_of[rows[i]]].stop]
+            if not idx:
+                return []
+            tails = self.tokenizer.batch_decode(tok_BT[idx, max(0, t + 1 - window):t + 1].tolist(),
+                                                skip_special_tokens=True)
+            hits = []
+            for i, text in zip(idx, tails):
+                found = [(text.find(x), x) for x in requests[req_of[rows[i]]].stop if x in text]
+                if found:
+                    stop_hit[rows[i]] = min(found)[1]
+                    hits.append(i)
+            return hits
 
         def uniforms() -> torch.Tensor | None:
             parts, drew = [], False
@@ -348,10 +431,15 @@ class Sampler:
         for t in range(M):
             u_B = uniforms()
             tok_B, lp_B = sample_tokens(logits_BV, temps[0] if uniform_temp else temp_B, None,
-                                        u_B if u_B is not None else torch.zeros(len(rows), device=device))
+                                        u_B if u_B is not None else torch.zeros(len(rows), device=device),
+                                        **(dict(zip(("top_k", "top_p", "min_p"), trunc)) if trunc else {}))
             tok_BT[:, t] = tok_B
             lp_BT[:, t] = lp_B
             done_B = is_stop_V[tok_B] & live_B if stop_ids else torch.zeros_like(live_B)
+            if window > 3:
+                hits = stop_string_hits(t, live_B & ~done_B)
+                if hits:
+                    done_B[hits] = True
             if ends_by_length:
                 done_B |= maxnew_B.eq(t + 1) & live_B
             if done_B.any():
@@ -370,6 +458,8 @@ class Sampler:
                     rows = [rows[i] for i in keep.tolist()]
                     tok_BT, lp_BT, end_B, live_B = tok_BT[keep], lp_BT[keep], end_B[keep], live_B[keep]
                     temp_B, maxnew_B, req_B, row_idx = temp_B[keep], maxnew_B[keep], req_B[keep], row_idx[keep]
+                    if trunc is not None and isinstance(trunc[0], torch.Tensor):
+                        trunc = tuple(x[keep] for x in trunc)
                     tok_B = tok_BT[:, t]
                     decoder.select(keep)
             if t == M - 1:

@@ -134,6 +134,14 @@ def forward_backward_together(jobs: list[FBJob], max_rows: int = 256) -> list[FB
     return jobs
 
 
+def _row_truncation(cfgs: list, device: torch.device) -> tuple:
+    """Each row's (top_k, top_p, min_p): numbers when every experiment of the pass agrees, else [B, 1] tensors."""
+    params = [(c.top_k, c.top_p, c.min_p) for c in cfgs]
+    if len(set(params)) == 1:
+        return params[0]
+    return tuple(torch.tensor(col, device=device)[:, None] for col in zip(*params))
+
+
 def _one_pass(model: torch.nn.Module, lead: Learner, members: list[tuple[FBJob, list[Datum]]]) -> None:
     if not members:
         return
@@ -145,6 +153,7 @@ def _one_pass(model: torch.nn.Module, lead: Learner, members: list[tuple[FBJob, 
         row += len(chunk)
     temp_B11 = torch.tensor([j.learner.cfg.temperature for j, c in members for _ in c],
                             device=lead.device)[:, None, None]
+    truncation = _row_truncation([j.learner.cfg for j, c in members for _ in c], lead.device)
     plan: PrefixPlan | None = None
     layouts: dict[int, Segments] = {len(datums): [(s, e, j.learner.adapter_name) for s, e, j in bounds]}
     if lead.cfg.share_prefix and supports_prefix_sharing(model):
@@ -163,7 +172,8 @@ def _one_pass(model: torch.nn.Module, lead: Learner, members: list[tuple[FBJob, 
     ref_BT = None
     if needs_ref:
         with torch.no_grad(), model.disable_adapter():
-            ref_BT = lead._forward(model, padded, temperature=temp_B11, head=None, plan=plan)[0]
+            ref_BT = lead._forward(model, padded, temperature=temp_B11, truncation=truncation, head=None,
+                                  plan=plan)[0]
     heads = [(s, e, j.learner.value_head) for s, e, j in bounds]
     head = _SegmentHeads(heads) if any(h is not None for _, _, h in heads) else None
     with model.disable_adapter(), row_adapters(model, layouts):
@@ -171,7 +181,7 @@ def _one_pass(model: torch.nn.Module, lead: Learner, members: list[tuple[FBJob, 
             for p in j.learner.params:
                 p.requires_grad_(True)
         lp_BT, values_BT = lead._forward(model, padded, values=head is not None, temperature=temp_B11,
-                                         head=head, plan=plan)
+                                         truncation=truncation, head=head, plan=plan)
     total = None
     for s, e, job in bounds:
         f = {k: v[s:e] for k, v in padded.fields.items()}

@@ -145,7 +145,8 @@ class RemoteSampler:
         self.pad_token_id = client.info["pad_token_id"]
 
     def sample(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
-               generator: torch.Generator | None = None) -> list[Sample]:
+               generator: torch.Generator | None = None, *, top_k: int = 0, top_p: float = 1.0,
+               min_p: float = 0.0, stop: tuple[str, ...] | list[str] = ()) -> list[Sample]:
         if not prompts:
             return []
         if generator is not None and generator.device.type != "cpu":
@@ -153,10 +154,11 @@ class RemoteSampler:
         # bytes, not a tensor: torch pickles tensors as shared-memory handles only a related process can open
         state = generator.get_state().numpy().tobytes() if generator is not None else None
         out = self.client.request("sample", self.adapter, adapter=self.adapter, prompts=[list(p) for p in prompts],
-                                  max_new_tokens=max_new_tokens, temperature=temperature, generator_state=state)
+                                  max_new_tokens=max_new_tokens, temperature=temperature, generator_state=state,
+                                  top_k=top_k, top_p=top_p, min_p=min_p, stop=list(stop))
         if generator is not None:
             generator.set_state(torch.frombuffer(bytearray(out["generator_state"]), dtype=torch.uint8))
-        return [Sample(tuple(t), tuple(lp), r) for t, lp, r in out["samples"]]
+        return [Sample(tuple(t), tuple(lp), r, s) for t, lp, r, s in out["samples"]]
 
 
 def start_worker(model: str, address: str | Path, device: str = "auto", dtype: str = "auto",

@@ -66,10 +66,12 @@ class Engine:
     cfg: EngineConfig = field(default_factory=EngineConfig)
     hosted: dict[str, Hosted] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    tokenizer: Any = None
+    """The base's tokenizer, for requests with stop strings (the sampler decodes their tails)."""
 
     def __post_init__(self) -> None:
         self.base_model = self.model
-        self.sampler = Sampler(self.model, self.pad_token_id, self.stop_token_ids)
+        self.sampler = Sampler(self.model, self.pad_token_id, self.stop_token_ids, tokenizer=self.tokenizer)
 
     @property
     def device(self) -> torch.device:
@@ -133,8 +135,9 @@ class Engine:
 
     # -- sampling ---------------------------------------------------------------------------
     def sample(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Requests: {adapter, prompts, max_new_tokens, temperature, generator_state}; each reply
-        has the samples and the advanced generator state (or an error of its own)."""
+        """Requests: {adapter, prompts, max_new_tokens, temperature, generator_state} and optional
+        top_k, top_p, min_p, stop (`SampleRequest`'s); each reply has the samples (tokens,
+        logprobs, stop_reason, stop_string) and the advanced generator state (or an error of its own)."""
         replies: list[dict[str, Any] | None] = [None] * len(requests)
         ready: list[tuple[int, SampleRequest, torch.Generator]] = []
         rows = 0
@@ -148,7 +151,9 @@ class Engine:
                 if r.get("generator_state") is not None:
                     gen = torch.Generator()
                     gen.set_state(torch.frombuffer(bytearray(r["generator_state"]), dtype=torch.uint8))
-                req = SampleRequest(prompts, int(r["max_new_tokens"]), float(r["temperature"]), gen, r["adapter"])
+                req = SampleRequest(prompts, int(r["max_new_tokens"]), float(r["temperature"]), gen, r["adapter"],
+                                    top_k=r.get("top_k", 0), top_p=r.get("top_p", 1.0), min_p=r.get("min_p", 0.0),
+                                    stop=tuple(r.get("stop", ())))
                 self.sampler._check(req)
                 ready.append((i, req, gen))
                 rows += len(prompts)
@@ -161,9 +166,10 @@ class Engine:
             else:  # one adapter at a time, as the in-process engine does (merged adapter weights)
                 (_, req, _), = group
                 with _active(self.model, req.adapter):
-                    out = [self.sampler.sample(req.prompts, req.max_new_tokens, req.temperature, req.generator)]
+                    out = [self.sampler.sample(req.prompts, req.max_new_tokens, req.temperature, req.generator,
+                                               top_k=req.top_k, top_p=req.top_p, min_p=req.min_p, stop=req.stop)]
             for (i, req, gen), samples in zip(group, out):
-                replies[i] = {"samples": [(s.tokens, s.logprobs, s.stop_reason) for s in samples],
+                replies[i] = {"samples": [(s.tokens, s.logprobs, s.stop_reason, s.stop_string) for s in samples],
                               "generator_state": gen.get_state().numpy().tobytes()
                               if requests[i].get("generator_state") is not None else None}
         return replies  # type: ignore[return-value]

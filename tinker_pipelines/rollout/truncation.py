@@ -1,0 +1,107 @@
+"""Top-k, top-p (nucleus) and min-p truncation, shared by the sampler and the learner.
+
+The sampler draws from the truncated, renormalized distribution and reports that distribution's
+logprob of each token; the learner recomputes the same quantity with these same functions, so
+behaviour and recomputed logprobs agree (tested to 1e-4, ~1e-6 in fp32).
+
+Definitions, on the temperature-scaled distribution p = softmax(logits / temperature), applied
+in this order (Hugging Face's order of warpers):
+
+1. top_k (0: off): keep every token whose logprob is >= the k-th largest one (ties at the k-th
+   are all kept, so a row may keep more than k tokens).
+2. top_p (1.0: off), on the distribution renormalized over what top_k kept: sort the
+   probabilities in decreasing order, find the smallest prefix whose cumulative mass reaches
+   top_p; its last probability is the cut; keep every token with probability >= the cut (ties
+   at the cut are all kept).
+3. min_p (0.0: off): keep every token whose logprob is >= max logprob + log(min_p), i.e.
+   p >= min_p * max p (a ratio, so renormalization does not change it).
+
+Each kept set is a threshold on values, never on positions in a sort, so it does not depend on
+how a sort orders ties: the sampler and the learner get the same set from the same values.
+They do not see bit-identical logits (a decode step with a KV cache and a full forward differ by
+~1e-6), so a token within float error of a cut can be in one set and not the other; the learner
+therefore always keeps the target token, whose logprob stays finite (see `target_logprobs`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+def is_active(top_k: int | torch.Tensor = 0, top_p: float | torch.Tensor = 1.0,
+              min_p: float | torch.Tensor = 0.0) -> bool:
+    """Whether any of the three truncations is on (for any row)."""
+    return _on(top_k, lambda k: k > 0) or _on(top_p, lambda p: p < 1) or _on(min_p, lambda m: m > 0)
+
+
+def _on(value, test) -> bool:
+    if isinstance(value, torch.Tensor):
+        return bool(test(value).any())
+    return bool(test(value))
+
+
+def check_params(top_k: int, top_p: float, min_p: float, prefix: str = "") -> None:
+    """Raise ValueError naming the parameter when one is out of range."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"{prefix}top_k must be an integer >= 0 (0: off), got {top_k!r}")
+    if not (isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and 0 < top_p <= 1):
+        raise ValueError(f"{prefix}top_p must be in (0, 1] (1: off), got {top_p!r}")
+    if not (isinstance(min_p, (int, float)) and not isinstance(min_p, bool) and 0 <= min_p < 1):
+        raise ValueError(f"{prefix}min_p must be in [0, 1) (0: off), got {min_p!r}")
+
+
+def _rows(value, shape: torch.Size, device, dtype) -> torch.Tensor:
+    """`value` (a number, or one per row broadcastable to `shape`) as a tensor of `shape`."""
+    return torch.as_tensor(value, device=device, dtype=dtype).expand(shape)
+
+
+@torch.no_grad()
+def keep_mask(logprobs_NV: torch.Tensor, top_k: int | torch.Tensor = 0, top_p: float | torch.Tensor = 1.0,
+              min_p: float | torch.Tensor = 0.0) -> torch.Tensor:
+    """Boolean mask [..., V] of the tokens each row keeps; `logprobs_NV` is log_softmax(logits / T)
+    over the last dimension, the parameters one number or one per row (broadcastable to its
+    leading dimensions; 0 / 1.0 / 0.0 switch a row's truncation off)."""
+    lp = logprobs_NV.detach().float()
+    V, lead, dev = lp.shape[-1], lp.shape[:-1], lp.device
+    keep = torch.ones(lp.shape, dtype=torch.bool, device=dev)
+    if _on(top_k, lambda k: k > 0):
+        k = _rows(top_k, lead, dev, torch.long)
+        k = torch.where((k <= 0) | (k > V), V, k)
+        top = lp.topk(int(k.max()), dim=-1).values  # sorted, largest first
+        keep &= lp >= top.gather(-1, (k - 1)[..., None])
+    if _on(top_p, lambda p: p < 1):
+        p = _rows(top_p, lead, dev, torch.float32)
+        probs = torch.softmax(lp.masked_fill(~keep, -math.inf), dim=-1)
+        sorted_probs = probs.sort(dim=-1, descending=True).values
+        needed = (sorted_probs.cumsum(dim=-1) < p[..., None]).sum(dim=-1).clamp_(max=V - 1)
+        cut = sorted_probs.gather(-1, needed[..., None])
+        keep &= (probs >= cut) | (p >= 1)[..., None]
+    if _on(min_p, lambda m: m > 0):
+        m = _rows(min_p, lead, dev, torch.float32)
+        floor = lp.max(dim=-1, keepdim=True).values + torch.log(m)[..., None]  # log 0 = -inf: all kept
+        keep &= lp >= floor
+    return keep
+
+
+def truncated_logprobs(logprobs_NV: torch.Tensor, keep_NV: torch.Tensor) -> torch.Tensor:
+    """log of the distribution renormalized over `keep_NV` (-inf elsewhere)."""
+    masked = logprobs_NV.masked_fill(~keep_NV, -math.inf)
+    return masked - torch.logsumexp(masked, dim=-1, keepdim=True)
+
+
+def target_logprobs(logits_BKV: torch.Tensor, targets_BK: torch.Tensor, temperature: float | torch.Tensor,
+                    top_k: int | torch.Tensor = 0, top_p: float | torch.Tensor = 1.0,
+                    min_p: float | torch.Tensor = 0.0) -> torch.Tensor:
+    """The learner's logprob of each target [B, K] under the sampling distribution: softmax of
+    logits / temperature, truncated and renormalized as the sampler does. Per-row parameters are
+    [B, 1] (temperature [B, 1, 1]). With every truncation off this is exactly the plain
+    `log_softmax(logits / temperature).gather(targets)`. The target is always kept: a token the
+    sampler drew has mass, even where float error puts it just outside the learner's cut."""
+    logprobs_BKV = torch.log_softmax(logits_BKV.float() / temperature, dim=-1)
+    if not is_active(top_k, top_p, min_p):
+        return logprobs_BKV.gather(-1, targets_BK[..., None]).squeeze(-1)
+    keep = keep_mask(logprobs_BKV, top_k, top_p, min_p)
+    keep.scatter_(-1, targets_BK[..., None], True)
+    masked = logprobs_BKV.masked_fill(~keep, -math.inf)
+    return logprobs_BKV.gather(-1, targets_BK[..., None]).squeeze(-1) - torch.logsumexp(masked, dim=-1)

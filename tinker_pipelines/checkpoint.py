@@ -162,6 +162,21 @@ def read_record(path: str | Path, verify: bool = True) -> dict[str, Any]:
     return record
 
 
+def load_torch_file(path: str | Path, map_location: Any = None) -> Any:
+    """`torch.load` of a checkpoint's `.pt` file with `weights_only=True`: tensors and plain data
+    only. Anything else (a pickled object, whose loading would run code) is refused as a
+    `CheckpointError` naming the file; nothing in it runs."""
+    import pickle
+
+    path = Path(path)
+    try:
+        return torch.load(path, weights_only=True, map_location=map_location)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise CheckpointError(f"checkpoint {path.parent}: {path.name} holds objects other than tensors and plain "
+                              f"data, refused without running them ({first})") from None
+
+
 def is_complete(path: str | Path) -> bool:
     """Whether `path` is a checkpoint whose every file matches its record."""
     try:

@@ -366,7 +366,7 @@ class DeepSpeedLearner(Learner):
         if self.value_head is not None:
             head = load_file(str(path / VALUE_HEAD_FILE))
             values += [head[n] for n, _ in self._trained.value_head.named_parameters()]
-        opt = torch.load(path / "optimizer.pt", weights_only=True)
+        opt = ckpt.load_torch_file(path / "optimizer.pt")
         adam: dict[int, dict[str, torch.Tensor]] = opt["optimizer"]["state"]
         basic = self.engine.optimizer.optimizer
         if adam and not basic.state:
@@ -383,7 +383,7 @@ class DeepSpeedLearner(Learner):
             s["step"].fill_(step)
         self.steps = opt["steps"]
         self._sync_full()
-        ckpt.set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+        ckpt.set_rng_state(ckpt.load_torch_file(path / "rng.pt"))
         return record
 
     def _null_step(self) -> None:

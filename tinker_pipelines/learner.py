@@ -428,7 +428,7 @@ class Learner:
             if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
                 raise ckpt.CheckpointError(f"checkpoint {path} does not fit the model: missing {missing[:3]}, "
                                            f"unexpected {unexpected[:3]}")
-        opt = torch.load(path / "optimizer.pt", weights_only=True, map_location=self.device)
+        opt = ckpt.load_torch_file(path / "optimizer.pt", map_location=self.device)
         self.optimizer.load_state_dict(opt["optimizer"])
         self.steps = opt["steps"]
-        ckpt.set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+        ckpt.set_rng_state(ckpt.load_torch_file(path / "rng.pt"))

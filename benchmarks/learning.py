@@ -8,7 +8,10 @@
 
 `before` is the held-out rate of the starting checkpoint (the SFT checkpoint for tiny, the
 base model for SmolLM2), `after` the rate after RL; both greedy, on tasks RL never trains on.
-The last line is one JSON object.
+The last line is one JSON object. For clipped losses (ppo, grpo, dr_grpo) it carries each
+iteration's `clip_fraction` of its last epoch (`clip_fraction_last_epoch`; PPO runs 4 epochs over
+each rollout, so from the second on the behaviour policy is a step old and the clip acts), and
+the update's `optim_steps` per iteration.
 
 With `--sft-dir`, the tiny recipe's SFT checkpoint is written there the first time and loaded
 from there afterwards (SFT is deterministic for a seed, so every algorithm starts from the same
@@ -85,8 +88,12 @@ def run(model: str, algorithm: str, iterations: int | None, seed: int, sft_dir: 
         cfg = config_from_dict({**data, "output_dir": out})
         start = time.perf_counter()
         evals: list[tuple[int, float, float]] = []
+        updates: list[dict] = []
 
         def on_iteration(m: dict) -> None:
+            if "clip_fraction" in m and m["iteration"] >= 0:
+                updates.append({"iteration": int(m["iteration"]), "clip_fraction": m["clip_fraction"],
+                                "approx_kl": m.get("approx_kl"), "optim_steps": m.get("optim_steps")})
             if "eval/exact_rate" in m:
                 evals.append((int(m["iteration"]), m["eval/exact_rate"], m.get("eval/contains_rate", float("nan"))))
                 print(f"  iteration {int(m['iteration']):>3}  held-out exact {m['eval/exact_rate']:.3f}  "
@@ -101,10 +108,15 @@ def run(model: str, algorithm: str, iterations: int | None, seed: int, sft_dir: 
     print()
     print(f"{'model':<24}{'algorithm':<12}{'before':>8}{'after':>8}{'gain':>8}{'minutes':>9}")
     print(f"{model:<24}{algorithm:<12}{before:>8.3f}{after:>8.3f}{after - before:>+8.3f}{minutes:>9.1f}")
+    clip = [u["clip_fraction"] for u in updates]
+    if clip:
+        print(f"clip_fraction of the last epoch: mean {sum(clip) / len(clip):.3f} over {len(clip)} iterations, "
+              f"last {clip[-1]:.3f} ({updates[-1]['optim_steps']:.0f} optimizer steps per iteration)")
     return {"task": cfg.env.path, "model": model, "algorithm": algorithm, "before": before, "after": after,
             "gain": after - before, "minutes": round(minutes, 2),
             "iterations": cfg.dpo.steps if pairwise else cfg.training.iterations, "sft_reused": sft_reused,
-            "curve": [{"iteration": i, "exact": e, "contains": c} for i, e, c in evals]}
+            "curve": [{"iteration": i, "exact": e, "contains": c} for i, e, c in evals],
+            **({"clip_fraction_last_epoch": updates} if updates else {})}
 
 
 def main() -> None:

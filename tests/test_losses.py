@@ -33,17 +33,68 @@ def test_importance_sampling_loss_and_gradient():
     assert lp.grad.tolist()[0] == pytest.approx([0.0, -1.0, 1.0])
 
 
-def test_dr_grpo_clips_ratio_outside_band():
+def test_grpo_clips_ratio_outside_band():
     old = torch.zeros(1, 3)
     lp = torch.tensor([[0.0, math.log(1.5), math.log(0.5)]], requires_grad=True)
     adv = torch.tensor([[0.0, 1.0, -1.0]])
-    loss, m = get_algorithm("dr_grpo").loss(lp, _batch(behaviour_logprobs_BT=old, advantages_BT=adv),
-                                            LossConfig(clip_eps=0.2, normalization="token"))
+    loss, m = get_algorithm("grpo").loss(lp, _batch(behaviour_logprobs_BT=old, advantages_BT=adv),
+                                         LossConfig(clip_eps=0.2, normalization="token"))
     # token 1: min(1.5, 1.2) * 1 = 1.2 ; token 2: min(0.5*-1, 0.8*-1) = -0.8 -> -(1.2 - 0.8)/2
     assert loss.item() == pytest.approx(-0.2)
     assert m["clip_fraction"] == pytest.approx(1.0)
     loss.backward()
     assert lp.grad.abs().sum().item() == 0.0  # both clipped: no gradient
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_clip_blocks_the_gradient_only_on_the_side_the_advantage_pushes(name):
+    """Four tokens outside the band: ratio 1.5 with A > 0 and ratio 0.5 with A < 0 are clipped
+    (zero gradient, counted in clip_fraction); ratio 1.5 with A < 0 and 0.5 with A > 0 still get
+    the unclipped gradient -A * ratio / n (the min picks the unclipped term) and are not counted."""
+    w = torch.ones(1, 5)
+    lp = torch.log(torch.tensor([[1.5, 0.5, 1.5, 0.5, 1.0]])).requires_grad_(True)
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0, 2.0]])
+    extra = {"values_BT": torch.zeros(1, 5), "old_values_BT": torch.zeros(1, 5), "returns_BT": torch.zeros(1, 5)}
+    batch = LossBatch(w, behaviour_logprobs_BT=torch.zeros(1, 5), advantages_BT=adv, **(extra if name == "ppo" else {}))
+    loss, m = get_algorithm(name).loss(lp, batch, LossConfig(clip_eps=0.2, normalization="token"))
+    loss.backward()
+    grad = lp.grad[0].tolist()
+    assert grad[0] == 0.0 and grad[1] == 0.0
+    assert grad[2:] == pytest.approx([1.5 / 5, -0.5 / 5, -2.0 / 5])
+    assert m["clip_fraction"] == pytest.approx(2 / 5)
+
+
+def test_dr_grpo_is_grpo_without_std_and_length_normalization():
+    """Dr. GRPO (Liu et al., 2025): group-centred advantages (no std) and the token sum divided
+    by a constant (B x max_tokens), whatever `normalization` the config passes; GRPO: std-scaled
+    advantages and per-reply length normalization."""
+    dr, grpo = get_algorithm("dr_grpo"), get_algorithm("grpo")
+    assert (dr.advantages, grpo.advantages) == ("group_centered", "group_normalized")
+    assert dr.normalization == "constant" and grpo.normalization is None
+    w = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # replies of 3 and 1 tokens
+    lp = torch.zeros(2, 3, requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, 0.0, 0.0]])
+    batch = LossBatch(w, behaviour_logprobs_BT=torch.zeros(2, 3), advantages_BT=adv)
+    for norm in ("sequence", "token", "constant"):
+        loss, _ = dr.loss(lp, batch, LossConfig(normalization=norm, max_tokens=4))
+        assert loss.item() == pytest.approx(-(3 - 1) / (2 * 4))  # -sum(ratio * A) / (B * max_tokens)
+    loss.backward()
+    assert lp.grad.flatten().tolist() == pytest.approx([-1 / 8] * 3 + [1 / 8, 0.0, 0.0])  # every token weighs 1 / (B L)
+    g_loss, _ = grpo.loss(lp, batch, LossConfig())
+    assert g_loss.item() == pytest.approx(-(1 - 1) / 2)  # sequence means 1 and -1: the long reply weighs no more
+
+
+def test_approx_kl_and_value_clip_fraction_are_reported():
+    lp = torch.log(torch.tensor([[1.0, 1.5, 0.5]]))
+    values = torch.tensor([[0.0, 1.0, 0.1]])
+    batch = _batch(behaviour_logprobs_BT=torch.zeros(1, 3), advantages_BT=torch.ones(1, 3), values_BT=values,
+                   old_values_BT=torch.zeros(1, 3), returns_BT=torch.tensor([[0.0, 3.0, -3.0]]))
+    _, m = get_algorithm("ppo").loss(lp, batch, LossConfig(normalization="token", value_clip=0.2))
+    k3 = [(r - 1) - math.log(r) for r in (1.5, 0.5)]
+    assert m["approx_kl"] == pytest.approx(sum(k3) / 2)
+    # token 1: v moved 1.0 > 0.2 away from old, towards R = 3: the clipped error is larger and wins;
+    # token 2: v moved 0.1, inside the band
+    assert m["value_clip_fraction"] == pytest.approx(0.5)
 
 
 def test_ppo_adds_clipped_value_loss():

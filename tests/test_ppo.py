@@ -213,3 +213,158 @@ def test_value_head_has_its_own_learning_rate(tiny):
     policy_group, head_group = learner.optimizer.param_groups
     assert policy_group["lr"] == 1e-4 and head_group["lr"] == 3e-3
     assert {id(p) for p in head_group["params"]} == {id(p) for p in learner.value_head.parameters()}
+
+
+# -- PPO proper: several epochs over one rollout, the clips active, truncation bootstraps ----------
+
+def _trajectory(stop_reason, sampled=(7, 8, 9), reward=0.0):
+    from tinker_pipelines.types import Turn
+
+    turn = Turn((1, 2, 3), tuple(sampled), (-1.0,) * len(sampled), reward, "x")
+    return Trajectory((turn,), 0.0, "t", stop_reason)
+
+
+@pytest.mark.parametrize("stop_reason", ["done", "max_turns", "context_overflow"])
+def test_truncated_episode_bootstraps_from_its_value_a_terminated_one_from_zero(stop_reason):
+    seen = []
+
+    def values_fn(datums):  # V = 0.5 everywhere, 2.0 at the state after the last sampled token
+        seen.extend(datums)
+        return [[0.5] * 5 + [2.0] * (len(d.input_tokens) - 5) for d in datums]
+
+    (d,) = critic_datums([TrajectoryGroup((_trajectory(stop_reason, reward=1.0),))], values_fn, 0.9, 1.0,
+                         whiten_advantages=False)
+    T = len(d.input_tokens)
+    truncated = stop_reason != "done"
+    assert len(seen[0].input_tokens) == T + truncated  # one extra position only when it is needed
+    # last action: delta = r + gamma * V(s_T) - V(s_{T-1}), V(s_T) = 2.0 when cut, 0 when the env ended it
+    bootstrap = 2.0 if truncated else 0.0
+    assert d.advantages[T - 1] == pytest.approx(1.0 + 0.9 * bootstrap - 0.5)
+    assert d.returns[T - 1] == pytest.approx(1.0 + 0.9 * bootstrap)
+    assert d.old_values[T - 1] == 0.5  # the extra position never becomes a trained value
+
+
+def _epochs_setup(tiny, lr=3e-2):
+    from tinker_pipelines.experiment import train_epochs  # noqa: F401  (the function under test)
+
+    model, tok = tiny
+    learner = _ppo_learner(model, tok, lr=lr)
+    datums = critic_datums(_groups(learner.model, tok), learner.compute_values, 1.0, 0.95)
+    return learner, datums
+
+
+def _loss_batch_of(learner, datums):
+    from tinker_pipelines.learner import loss_batch, pad_datums
+
+    padded = pad_datums(datums, learner.pad_token_id)
+    return padded, loss_batch(padded.fields, None, None)
+
+
+def test_second_epoch_clips_and_a_clipped_token_gets_no_gradient(tiny):
+    from tinker_pipelines.experiment import train_epochs
+
+    learner, datums = _epochs_setup(tiny)
+    cfg = replace(LOSS_CFG, value_clip=0.01)
+    history = train_epochs(learner, datums, PPO.loss, cfg, epochs=2, minibatches=1)
+    (first,), (second,) = history
+    # epoch 1 sees the weights that sampled: ratio 1 (up to sampler/learner numerics), nothing clipped
+    assert first["clip_fraction"] == 0.0 and first["value_clip_fraction"] == 0.0
+    assert abs(first["ratio_mean"] - 1) < 1e-4 and first["approx_kl"] < 1e-8
+    # epoch 2 sees the same behaviour logprobs and old values after one step: both clips act
+    assert second["clip_fraction"] > 0 and second["value_clip_fraction"] > 0 and second["approx_kl"] > 0
+
+    # which tokens: the current ratio outside the band on the side their advantage pushes
+    padded, batch = _loss_batch_of(learner, datums)
+    lp_BT = torch.zeros_like(batch.weights_BT)
+    for i, lp in enumerate(learner.compute_logprobs(datums)):
+        lp_BT[i, :len(lp)] = torch.tensor(lp)
+    lp_BT.requires_grad_(True)
+    ratio_BT = (lp_BT - batch.behaviour_logprobs_BT).exp().detach()
+    adv_BT, w_BT = batch.advantages_BT, batch.weights_BT != 0
+    high, low = w_BT & (ratio_BT > 1.2) & (adv_BT > 0), w_BT & (ratio_BT < 0.8) & (adv_BT < 0)
+    wrong_side = w_BT & (((ratio_BT > 1.2) & (adv_BT < 0)) | ((ratio_BT < 0.8) & (adv_BT > 0)))
+    assert (high | low).any() and wrong_side.any(), "the step should push ratios out on both sides"
+    surrogate = get_algorithm("grpo").loss  # the same clipped surrogate, without the value head
+    loss, m = surrogate(lp_BT, batch, replace(cfg, normalization="token"))
+    loss.backward()
+    assert lp_BT.grad[high | low].abs().max() == 0  # clipped: no gradient
+    assert (lp_BT.grad[wrong_side] != 0).all()  # outside the band the other way: still pushed back
+    assert m["clip_fraction"] == pytest.approx(((high | low).sum() / w_BT.sum()).item())
+
+
+def test_kl_early_stop_stops_the_epochs():
+    from tinker_pipelines.experiment import summarize_epochs, train_epochs
+
+    class FakeLearner:  # approx_kl grows with every optimizer step
+        steps = 0
+
+        def forward_backward(self, datums, loss_fn, loss_cfg):
+            return {"approx_kl": 0.01 * self.steps, "trained_tokens": float(len(datums))}
+
+        def optim_step(self):
+            self.steps += 1
+            return {"grad_norm": 1.0}
+
+    datums = list(range(8))
+    history = train_epochs(FakeLearner(), datums, None, LOSS_CFG, epochs=4, minibatches=2, target_kl=0.025)
+    assert [len(e) for e in history] == [2, 2]  # KL 0, 0.01 | 0.02, 0.03 > 0.025: stop after that step
+    summary = summarize_epochs(history)
+    assert summary["optim_steps"] == 4 and summary["epochs"] == 2 and summary["trained_tokens"] == 8
+    assert [len(e) for e in train_epochs(FakeLearner(), datums, None, LOSS_CFG, 4, 2)] == [2] * 4
+
+
+def test_minibatches_are_shuffled_per_epoch_from_the_seed():
+    from tinker_pipelines.experiment import train_epochs
+
+    class Recorder:
+        def __init__(self):
+            self.seen = []
+
+        def forward_backward(self, datums, loss_fn, loss_cfg):
+            self.seen.append(tuple(datums))
+            return {}
+
+        def optim_step(self):
+            return {}
+
+    a, b, c = Recorder(), Recorder(), Recorder()
+    for rec, seed in ((a, 1), (b, 1), (c, 2)):
+        train_epochs(rec, list(range(10)), None, LOSS_CFG, epochs=3, minibatches=3, seed=seed)
+    assert a.seen == b.seen != c.seen
+    assert [len(s) for s in a.seen] == [3, 3, 4] * 3
+    for epoch in range(3):  # every datum once per epoch, each minibatch in rollout order
+        parts = a.seen[3 * epoch:3 * epoch + 3]
+        assert sorted(sum(parts, ())) == list(range(10)) and all(list(p) == sorted(p) for p in parts)
+    assert a.seen[:3] != a.seen[3:6]
+    one = Recorder()
+    train_epochs(one, list(range(10)), None, LOSS_CFG, epochs=1, minibatches=1, seed=5)
+    assert one.seen == [tuple(range(10))]  # one pass, one minibatch: the plain step, order kept
+
+
+def test_ppo_defaults_to_four_epochs_and_grpo_to_one(tiny):
+    model, tok = tiny
+    base = {k: v for k, v in SMALL_PPO.items() if k != "sft"}
+    groups = _groups(model, tok)
+    for name, epochs in (("ppo", 4), ("grpo", 1)):
+        exp = Experiment(config_from_dict({**base, "algorithm": {"name": name}}), copy.deepcopy(model), tok)
+        metrics = exp.train_step(groups)
+        assert metrics["epochs"] == epochs and metrics["optim_steps"] == epochs and exp.learner.steps == epochs
+    exp = Experiment(config_from_dict({**base, "algorithm": {"name": "ppo", "ppo_epochs": 2, "minibatches": 3}}),
+                     copy.deepcopy(model), tok)
+    metrics = exp.train_step(groups)
+    assert metrics["optim_steps"] == 6 and metrics["trained_tokens"] == sum(sum(d.weights) for d in exp.score(groups))
+    assert metrics["clip_fraction"] > 0  # the last epoch's
+
+
+@pytest.mark.parametrize("field,value", [("ppo_epochs", 0), ("minibatches", 0), ("target_kl", -0.1),
+                                         ("target_kl", float("inf"))])
+def test_bad_epoch_settings_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=f"algorithm.{field}"):
+        config_from_dict({"algorithm": {"name": "ppo", field: value}})
+
+
+def test_dr_grpo_refuses_another_normalization():
+    with pytest.raises(ConfigError, match="algorithm.normalization must be 'constant' or unset for dr_grpo"):
+        config_from_dict({"algorithm": {"name": "dr_grpo", "normalization": "token"}})
+    cfg = config_from_dict({"algorithm": {"name": "dr_grpo"}, "training": {"max_new_tokens": 6, "max_turns": 2}})
+    assert cfg.algorithm.normalization is None

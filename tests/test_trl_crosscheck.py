@@ -28,9 +28,9 @@ BETA = 0.04
 TEMPERATURE = 0.7
 MAX_COMPLETION = 7
 # (our algorithm, TRL's loss_type, our normalisation) where the two coincide on one
-# un-accumulated batch; `dr_grpo` is our critic-free surrogate on group-centred advantages.
-SAME_LOSS = [(name, trl, norm) for name in ("grpo", "dr_grpo") if name in ALGORITHMS
-             for trl, norm in (("grpo", "sequence"), ("bnpo", "token"), ("dapo", "token"))]
+# un-accumulated batch; `dr_grpo` divides by B x max_tokens whatever the normalisation says.
+SAME_LOSS = [("grpo", trl, norm) for trl, norm in (("grpo", "sequence"), ("bnpo", "token"), ("dapo", "token"))]
+SAME_LOSS += [("dr_grpo", "dr_grpo", norm) for norm in ("constant", "sequence") if "dr_grpo" in ALGORITHMS]
 
 
 @pytest.fixture
@@ -107,7 +107,8 @@ def _ours(trainer: GRPOTrainer, batch: dict[str, torch.Tensor], normalization: s
                            behaviour_logprobs_BT=batch["old_per_token_logps"],
                            advantages_BT=batch["advantages"][:, None].expand(-1, C),
                            ref_logprobs_BT=batch["ref_per_token_logps"])
-    cfg = LossConfig(clip_eps=0.2, kl_coef=BETA, kl_estimator="k3", normalization=normalization)
+    cfg = LossConfig(clip_eps=0.2, kl_coef=BETA, kl_estimator="k3", normalization=normalization,
+                     max_tokens=MAX_COMPLETION)
     return get_algorithm(name).loss(lp_BC, loss_batch, cfg)
 
 
@@ -143,6 +144,8 @@ def test_grpo_loss_and_gradient_match_trl(tiny_dir, tmp_path, name, trl_loss_typ
     assert ours_kl.item() == pytest.approx(trl_kl, abs=ATOL) and trl_kl > 0.05
     if normalization == "token":
         assert metrics["kl"] == pytest.approx(trl_kl, abs=ATOL)
+    # clip_fraction counts the tokens whose clip is active for their advantage's sign, as TRL's region mean does
+    assert metrics["clip_fraction"] == pytest.approx(trainer._metrics["eval"]["clip_ratio/region_mean"][-1], abs=ATOL)
 
 
 def test_trl_default_kl_weighting_changes_only_the_gradient(tiny_dir, tmp_path):
@@ -174,18 +177,19 @@ def test_grpo_sequence_and_token_normalisation_really_differ_here(tiny_dir, tmp_
 
 
 def test_trl_dr_grpo_is_token_mean_rescaled_by_max_completion_length(tiny_dir, tmp_path):
-    """TRL's 'dr_grpo' divides the token sum by B * max_completion_length, a constant, where our
-    token normalisation divides by the number of completion tokens actually in the batch."""
+    """TRL's 'dr_grpo' (and ours) divides the token sum by B * max_completion_length, a constant,
+    where `grpo` with token normalisation divides by the number of completion tokens actually in
+    the batch: the two differ by exactly that factor."""
     trainer = _grpo_trainer(tiny_dir, tmp_path, loss_type="dr_grpo")
     batch = _batch(trainer)
     with torch.no_grad():
         trl_loss = trainer.compute_loss(trainer.model, batch)
-        names = [n for n in ("grpo", "dr_grpo") if n in ALGORITHMS]
-        for name in names:
-            ours, _ = _ours(trainer, batch, "token", name)
-            n_tokens, B = batch["completion_mask"].sum().item(), batch["completion_mask"].size(0)
-            assert ours.item() * n_tokens / (B * MAX_COMPLETION) == pytest.approx(trl_loss.item(), abs=ATOL)
-            assert abs(ours.item() - trl_loss.item()) > 100 * ATOL  # not the same number
+        ours, _ = _ours(trainer, batch, "token", "grpo")
+        n_tokens, B = batch["completion_mask"].sum().item(), batch["completion_mask"].size(0)
+        assert ours.item() * n_tokens / (B * MAX_COMPLETION) == pytest.approx(trl_loss.item(), abs=ATOL)
+        assert abs(ours.item() - trl_loss.item()) > 100 * ATOL  # not the same number
+        if "dr_grpo" in ALGORITHMS:
+            assert _ours(trainer, batch, "token", "dr_grpo")[0].item() == pytest.approx(trl_loss.item(), abs=ATOL)
 
 
 def test_token_logprobs_match_trl(tiny_dir, tmp_path, tiny):

@@ -100,8 +100,9 @@ class AlgorithmConfig:
     """KL penalty weight to the reference policy (0: no reference is computed)."""
     kl_estimator: str = "k3"
     """'k1' or 'k3'."""
-    normalization: str = "sequence"
-    """'sequence' (GRPO) or 'token' (Dr. GRPO / DAPO) loss averaging."""
+    normalization: str | None = None
+    """Loss averaging: 'sequence' (GRPO), 'token' (DAPO) or 'constant' (Dr. GRPO); unset: the
+    algorithm's own ('constant' for dr_grpo, else 'sequence')."""
     gamma: float = 1.0
     """PPO: discount per policy token in GAE, in [0, 1]."""
     gae_lambda: float = 0.95
@@ -114,6 +115,12 @@ class AlgorithmConfig:
     """PPO: scale GAE advantages to mean 0, std 1 over the batch's policy tokens."""
     value_learning_rate: float = 0.0
     """PPO: Adam learning rate of the value head (0: training.learning_rate)."""
+    ppo_epochs: int | None = None
+    """Passes over each rollout, behaviour logprobs and old values fixed (unset: 4 for ppo, 1 otherwise)."""
+    minibatches: int = 1
+    """Shuffled minibatches per pass, one optimizer step each (at most the number of datums)."""
+    target_kl: float | None = None
+    """Stop an iteration's passes once a minibatch's approximate KL to the behaviour policy exceeds this (unset: off)."""
 
 
 @dataclass(frozen=True)
@@ -269,8 +276,14 @@ class Config:
         _require(t.group_size >= algo.min_group_size, "training.group_size",
                  f"must be >= {algo.min_group_size} for {a.name}", t.group_size)
         _require(a.kl_estimator in ("k1", "k3"), "algorithm.kl_estimator", "must be 'k1' or 'k3'", a.kl_estimator)
-        _require(a.normalization in ("sequence", "token"), "algorithm.normalization",
-                 "must be 'sequence' or 'token'", a.normalization)
+        _require(a.normalization in (None, "sequence", "token", "constant"), "algorithm.normalization",
+                 "must be 'sequence', 'token' or 'constant'", a.normalization)
+        _require(algo.normalization is None or a.normalization in (None, algo.normalization), "algorithm.normalization",
+                 f"must be {algo.normalization!r} or unset for {a.name} (it is defined with it)", a.normalization)
+        _require(a.ppo_epochs is None or a.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1", a.ppo_epochs)
+        _require(a.minibatches >= 1, "algorithm.minibatches", "must be >= 1", a.minibatches)
+        _require(a.target_kl is None or (a.target_kl > 0 and math.isfinite(a.target_kl)), "algorithm.target_kl",
+                 "must be > 0 (or unset)", a.target_kl)
         _require(a.clip_eps > 0 and math.isfinite(a.clip_eps), "algorithm.clip_eps", "must be > 0", a.clip_eps)
         _require(a.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0", a.kl_coef)
         for name in ("gamma", "gae_lambda"):

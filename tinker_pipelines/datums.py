@@ -68,10 +68,31 @@ ValuesFn = Callable[[list[Datum]], list[list[float]]]
 """The critic: per-position values of each datum (e.g. `Learner.compute_values`)."""
 
 
+TERMINATED = "done"
+"""`Trajectory.stop_reason` of an episode the environment ended. Any other ('max_turns',
+'context_overflow') was cut by the runner: truncated, its future value is not 0. A turn cut at
+max_new_tokens is still an action the environment judges: it is truncated only if the episode
+then stops without the environment's `done`."""
+
+
+def bootstrap_datum(datum: Datum) -> Datum:
+    """`datum` with one more position, whose input is its last target (the last sampled token):
+    the value head's output there is V(s_T), the value of the state the episode was cut in.
+
+    >>> bootstrap_datum(Datum((1, 2), (2, 3), (0.0, 1.0))).input_tokens
+    (1, 2, 3)
+    """
+    extra = (0.0,) if datum.behaviour_logprobs else ()
+    return Datum(datum.input_tokens + datum.target_tokens[-1:], datum.target_tokens + datum.target_tokens[-1:],
+                 datum.weights + (0.0,), datum.behaviour_logprobs + extra, datum.advantages + extra)
+
+
 def critic_datums(groups: list[TrajectoryGroup], values_fn: ValuesFn, gamma: float, lam: float,
                   whiten_advantages: bool = True) -> list[CriticDatum]:
     """PPO datums for every episode: per-token rewards, the critic's values, GAE advantages and
-    returns. No group baseline is used, so every group teaches (uniform rewards included)."""
+    returns. No group baseline is used, so every group teaches (uniform rewards included).
+    A terminated episode's last action bootstraps from 0; a truncated one's from the critic's
+    value of the state after its last sampled token (one extra position in the values pass)."""
     trajs = [t for g in groups for t in g.trajectories]
     for t in trajs:
         if not all(math.isfinite(r) for r in (t.final_reward, *(x.reward for x in t.turns))):
@@ -79,13 +100,16 @@ def critic_datums(groups: list[TrajectoryGroup], values_fn: ValuesFn, gamma: flo
     plain = [trajectory_to_datum(t, 0.0) for t in trajs]
     if not plain:
         return []
-    values = values_fn(plain)
+    truncated = [t.stop_reason != TERMINATED for t in trajs]
+    values = values_fn([bootstrap_datum(d) if cut else d for d, cut in zip(plain, truncated)])
+    bootstraps = [v[len(d.input_tokens)] if cut else 0.0 for d, v, cut in zip(plain, values, truncated)]
+    values = [v[:len(d.input_tokens)] for d, v in zip(plain, values)]
     rewards = [token_rewards(list(d.weights), _turn_ends(t), [x.reward for x in t.turns], t.final_reward)
                for d, t in zip(plain, trajs)]
     weights_T = [torch.tensor(d.weights, dtype=torch.float64) for d in plain]
     scored = [gae_over_weighted(torch.tensor(r, dtype=torch.float64), torch.tensor(v, dtype=torch.float64) * (w != 0),
-                                w, gamma, lam)
-              for r, v, w in zip(rewards, values, weights_T)]
+                                w, gamma, lam, bootstrap)
+              for r, v, w, bootstrap in zip(rewards, values, weights_T, bootstraps)]
     advs = [a for a, _ in scored]
     if whiten_advantages:
         advs = whiten(advs, weights_T)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from tinker_pipelines.algorithms.losses import LossConfig
+from tinker_pipelines.algorithms.losses import LossConfig, LossFn
 from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.checkpoint import atomic_directory, read_record, seed_everything, write_record
 from tinker_pipelines.config import Config, ConfigError, config_to_dict
@@ -92,9 +92,12 @@ class Experiment:
         self.learner: Learner | None = None
         self.iteration = 0
         a = cfg.algorithm
-        self.loss_cfg = LossConfig(a.clip_eps, a.kl_coef, a.kl_estimator, a.normalization, gamma=a.gamma,
+        normalization = self.algorithm.normalization or a.normalization or "sequence"
+        self.loss_cfg = LossConfig(a.clip_eps, a.kl_coef, a.kl_estimator, normalization, gamma=a.gamma,
                                    gae_lambda=a.gae_lambda, vf_coef=a.vf_coef, value_clip=a.value_clip,
-                                   whiten_advantages=a.whiten_advantages)
+                                   whiten_advantages=a.whiten_advantages,
+                                   max_tokens=cfg.training.max_new_tokens * cfg.training.max_turns)
+        self.epochs = a.ppo_epochs or self.algorithm.epochs
         t = cfg.training
         self.rollout_cfg = RolloutConfig(t.max_new_tokens, t.temperature, t.max_turns, top_k=t.top_k, top_p=t.top_p,
                                          min_p=t.min_p, stop=tuple(t.stop))
@@ -234,16 +237,22 @@ class Experiment:
         return rl_datums(groups, self.algorithm.advantages)
 
     def train_step(self, groups: list[TrajectoryGroup], datums: list[Datum] | None = None) -> dict[str, float]:
-        """Advantages, one forward/backward over all informative episodes, one optimizer step.
-        `datums`, when given, are `score(groups)` computed earlier with the same policy."""
+        """Advantages, then `train_epochs` over all informative episodes: `algorithm.ppo_epochs`
+        passes of `algorithm.minibatches` optimizer steps (one step by default, several for PPO).
+        `datums`, when given, are `score(groups)` computed earlier with the same policy. Metrics
+        are the last pass's (`summarize_epochs`)."""
         if self.learner is None:
             self.start_rl()
         start = time.perf_counter()
         datums = self.score(groups) if datums is None else datums
         metrics: dict[str, float] = {"informative_groups": float(sum(len(set(g.rewards)) > 1 for g in groups))}
         if datums:  # when every group's rewards are uniform there is no gradient: skip the step
-            metrics.update(self.learner.forward_backward(datums, self.algorithm.loss, self.loss_cfg))
-            metrics.update(self.learner.optim_step())
+            a = self.cfg.algorithm
+            history = train_epochs(self.learner, datums, self.algorithm.loss, self.loss_cfg, self.epochs,
+                                   a.minibatches, a.target_kl, derived_seed(self.cfg.seed, "minibatches", self.iteration))
+            metrics.update(summarize_epochs(history))
+            if a.target_kl is not None:  # 1 when the KL stop cut the loop short
+                metrics["kl_early_stop"] = float(metrics["optim_steps"] < self.epochs * min(a.minibatches, len(datums)))
         metrics["time/train_s"] = time.perf_counter() - start
         return metrics
 
@@ -284,6 +293,54 @@ class Experiment:
         record = self.learner.load_state(path)
         self.iteration = int(record["iteration"])
         return record
+
+
+def train_epochs(learner: "Learner", datums: list[Datum], loss_fn: LossFn, loss_cfg: LossConfig, epochs: int = 1,
+                 minibatches: int = 1, target_kl: float | None = None, seed: int = 0) -> list[list[dict[str, float]]]:
+    """PPO's update loop over one scored rollout; returns each pass's per-minibatch metrics.
+
+    The datums keep what scoring fixed (behaviour logprobs, advantages, old values, returns), so
+    from the second minibatch on the ratio to the behaviour policy is no longer 1 and the
+    policy and value clips act. Each pass shuffles the datums (from `seed`, so a resumed run
+    repeats it) into `minibatches` near-equal minibatches, each one `forward_backward` and one
+    `optim_step`; a minibatch keeps its datums in rollout order, so a group's episodes stay
+    adjacent for prefix sharing. With `target_kl`, the loop stops after the first minibatch
+    whose approximate KL (measured by its forward, before its step) exceeds it. One pass, one
+    minibatch is the plain single step. Only `forward_backward` / `optim_step` are called, so
+    a worker's `RemoteLearner` runs the same loop.
+    """
+    rng = random.Random(seed)
+    n_minibatches = min(minibatches, len(datums))
+    history: list[list[dict[str, float]]] = []
+    for _ in range(epochs):
+        order_N = list(range(len(datums)))
+        rng.shuffle(order_N)
+        history.append([])
+        for k in range(n_minibatches):
+            idx_M = sorted(order_N[k * len(datums) // n_minibatches:(k + 1) * len(datums) // n_minibatches])
+            metrics = learner.forward_backward([datums[i] for i in idx_M], loss_fn, loss_cfg)
+            metrics.update(learner.optim_step())
+            history[-1].append(metrics)
+            if target_kl is not None and metrics.get("approx_kl", 0.0) > target_kl:
+                return history
+    return history
+
+
+def summarize_epochs(history: list[list[dict[str, float]]]) -> dict[str, float]:
+    """An iteration's update metrics: the mean over the last pass's minibatches of every metric
+    (`clip_fraction`, `approx_kl`, `loss`, ...; `trained_tokens` summed: the tokens of a pass),
+    plus `epochs` (passes begun) and `optim_steps`.
+
+    >>> summarize_epochs([[{"loss": 1.0, "trained_tokens": 3.0}], [{"loss": 2.0, "trained_tokens": 1.0},
+    ...                                                           {"loss": 4.0, "trained_tokens": 2.0}]])
+    {'loss': 3.0, 'trained_tokens': 3.0, 'epochs': 2.0, 'optim_steps': 3.0}
+    """
+    last = history[-1]
+    out = {k: sum(m[k] for m in last) / len(last) for k in last[0]}
+    if "trained_tokens" in out:
+        out["trained_tokens"] = sum(m["trained_tokens"] for m in last)
+    out.update(epochs=float(len(history)), optim_steps=float(sum(map(len, history))))
+    return out
 
 
 def deterministic_metrics(metrics: dict[str, float]) -> dict[str, float]:

@@ -3,8 +3,10 @@
 Every sampled token is an action. Its reward is 0 except at the last token of a policy turn,
 which carries that turn's reward (and, on the episode's last token, the final reward too).
 Prompt and environment tokens are not actions: GAE runs over the weighted positions only, so
-the last token of turn k bootstraps from the value of the first token of turn k + 1. The value
-after the episode's last token is 0 (the episode is over).
+the last token of turn k bootstraps from the value of the first token of turn k + 1. After the
+episode's last token the value is 0 when the environment ended the episode (termination) and
+`bootstrap`, the critic's estimate of the state reached, when the runner cut it short
+(`max_turns`, context overflow: truncation is not termination).
 
 Shapes: `N` is the number of policy tokens of one episode, `T` a datum's positions.
 """
@@ -14,10 +16,12 @@ from __future__ import annotations
 import torch
 
 
-def gae(rewards_N: torch.Tensor, values_N: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(rewards_N: torch.Tensor, values_N: torch.Tensor, gamma: float, lam: float,
+        bootstrap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns (advantages + values) of one episode's N actions.
 
-    delta_t = r_t + gamma * V_{t+1} - V_t (V_N = 0), A_t = delta_t + gamma * lam * A_{t+1}.
+    delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}, where V_N is
+    `bootstrap`: 0 for a terminated episode, V(s_N) for a truncated one.
 
     >>> adv, ret = gae(torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.5, 0.5, 0.5]), gamma=1.0, lam=1.0)
     >>> adv.tolist(), ret.tolist()
@@ -25,11 +29,13 @@ def gae(rewards_N: torch.Tensor, values_N: torch.Tensor, gamma: float, lam: floa
     >>> adv, _ = gae(torch.tensor([0.0, 1.0]), torch.tensor([0.5, 0.25]), gamma=0.5, lam=0.0)
     >>> adv.tolist()  # lam = 0: one-step TD errors, 0 + 0.5 * 0.25 - 0.5 and 1 - 0.25
     [-0.375, 0.75]
+    >>> gae(torch.tensor([0.0, 1.0]), torch.tensor([0.5, 0.25]), gamma=0.5, lam=0.0, bootstrap=2.0)[0].tolist()
+    [-0.375, 1.75]
     """
     if rewards_N.shape != values_N.shape or rewards_N.dim() != 1:
         raise ValueError(f"gae needs two 1-d tensors of one shape, got {tuple(rewards_N.shape)} and "
                          f"{tuple(values_N.shape)}")
-    next_values_N = torch.cat([values_N[1:], values_N.new_zeros(1)])
+    next_values_N = torch.cat([values_N[1:], values_N.new_full((1,), bootstrap)])
     deltas_N = rewards_N + gamma * next_values_N - values_N
     advantages_N = torch.empty_like(deltas_N)
     running = deltas_N.new_zeros(())
@@ -41,7 +47,7 @@ def gae(rewards_N: torch.Tensor, values_N: torch.Tensor, gamma: float, lam: floa
 
 
 def gae_over_weighted(rewards_T: torch.Tensor, values_T: torch.Tensor, weights_T: torch.Tensor,
-                      gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      gamma: float, lam: float, bootstrap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """`gae` over the positions with weight != 0 of a datum; other positions get 0.
 
     >>> w = torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0])   # two one-token turns with env tokens between
@@ -51,7 +57,7 @@ def gae_over_weighted(rewards_T: torch.Tensor, values_T: torch.Tensor, weights_T
     ([0.0, 0.5, 0.0, 0.0, 1.0], [0.0, 0.5, 0.0, 0.0, 1.0])
     """
     idx_N = weights_T.nonzero().squeeze(-1)
-    adv_N, ret_N = gae(rewards_T[idx_N], values_T[idx_N], gamma, lam)
+    adv_N, ret_N = gae(rewards_T[idx_N], values_T[idx_N], gamma, lam, bootstrap)
     advantages_T, returns_T = torch.zeros_like(values_T), torch.zeros_like(values_T)
     advantages_T[idx_N], returns_T[idx_N] = adv_N, ret_N
     return advantages_T, returns_T

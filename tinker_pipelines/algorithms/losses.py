@@ -7,7 +7,7 @@ value head's values, the values at sampling time and the GAE returns, all [B, T]
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -45,7 +45,11 @@ class LossConfig:
     """'k1' (log ratio) or 'k3' (exp(-d) + d - 1, unbiased and non-negative)."""
     normalization: str = "sequence"
     """'sequence': mean over each sequence's tokens, then over sequences (GRPO); 'token': mean
-    over all tokens of the batch (Dr. GRPO / DAPO)."""
+    over all tokens of the batch (DAPO); 'constant': sum over all tokens / (sequences x
+    `max_tokens`) (Dr. GRPO)."""
+    max_tokens: int = 16
+    """The constant of 'constant' normalization: the most policy tokens an episode can have
+    (training.max_new_tokens x training.max_turns)."""
     beta: float = 0.1
     """DPO temperature: scales the log-ratio margin between chosen and rejected replies."""
     gamma: float = 1.0
@@ -63,17 +67,28 @@ class LossConfig:
 LossFn = Callable[[torch.Tensor, LossBatch, LossConfig], tuple[torch.Tensor, dict[str, float]]]
 
 
-def masked_mean(x_BT: torch.Tensor, w_BT: torch.Tensor, normalization: str = "token") -> torch.Tensor:
-    """Weighted mean, over all tokens or per sequence then over sequences.
+def masked_mean(x_BT: torch.Tensor, w_BT: torch.Tensor, normalization: str = "token",
+                max_tokens: int | None = None) -> torch.Tensor:
+    """Weighted mean, over all tokens or per sequence then over sequences; or ('constant') the
+    weighted sum over B sequences divided by B x `max_tokens`, whatever their lengths.
 
     >>> x = torch.tensor([[1.0, 3.0], [2.0, 0.0]]); w = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    >>> masked_mean(x, w).item(), masked_mean(x, w, "sequence").item()
-    (2.0, 2.0)
+    >>> masked_mean(x, w).item(), masked_mean(x, w, "sequence").item(), masked_mean(x, w, "constant", 4).item()
+    (2.0, 2.0, 0.75)
     """
     if normalization == "token":
         return (x_BT * w_BT).sum() / w_BT.sum().clamp(min=1e-8)
+    if normalization == "constant":
+        if not max_tokens or max_tokens < 1:
+            raise ValueError(f"'constant' normalization needs max_tokens >= 1, got {max_tokens!r}")
+        return (x_BT * w_BT).sum() / (x_BT.shape[0] * max_tokens)
     per_seq_B = (x_BT * w_BT).sum(-1) / w_BT.sum(-1).clamp(min=1e-8)
     return per_seq_B[w_BT.sum(-1) > 0].mean()
+
+
+def _reduce(x_BT: torch.Tensor, w_BT: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """`masked_mean` with the loss config's normalization."""
+    return masked_mean(x_BT, w_BT, cfg.normalization, cfg.max_tokens)
 
 
 def kl_penalty(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -90,12 +105,23 @@ def kl_penalty(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, estimat
     raise ValueError(f"algorithm.kl_estimator must be 'k1' or 'k3', got {estimator!r}")
 
 
+def approx_kl(log_ratio_BT: torch.Tensor, weights_BT: torch.Tensor) -> float:
+    """Token mean of k3 = (ratio - 1) - log ratio, an estimate of KL(behaviour || current) from
+    the behaviour policy's samples (never negative; what PPO's `target_kl` early stop reads).
+
+    >>> round(approx_kl(torch.tensor([[0.0, 0.1]]), torch.ones(1, 2)), 6)  # (e^0.1 - 1 - 0.1) / 2
+    0.002585
+    """
+    with torch.no_grad():
+        return masked_mean(log_ratio_BT.exp() - 1 - log_ratio_BT, weights_BT).item()
+
+
 def _with_kl(loss: torch.Tensor, logprobs_BT: torch.Tensor, batch: LossBatch, cfg: LossConfig,
              metrics: dict[str, float]) -> torch.Tensor:
     if batch.ref_logprobs_BT is None:
         return loss
     kl_BT = kl_penalty(logprobs_BT, batch.ref_logprobs_BT, cfg.kl_estimator)
-    kl = masked_mean(kl_BT, batch.weights_BT, cfg.normalization)
+    kl = _reduce(kl_BT, batch.weights_BT, cfg)
     metrics["kl"] = kl.item()
     return loss + cfg.kl_coef * kl if cfg.kl_coef else loss
 
@@ -109,22 +135,33 @@ def sft_loss(logprobs_BT: torch.Tensor, batch: LossBatch, cfg: LossConfig) -> tu
 def importance_sampling_loss(logprobs_BT: torch.Tensor, batch: LossBatch,
                              cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """REINFORCE with an importance weight for off-policy samples: -ratio * A."""
-    ratio_BT = (logprobs_BT - batch.behaviour_logprobs_BT).exp()
-    loss = -masked_mean(ratio_BT * batch.advantages_BT, batch.weights_BT, cfg.normalization)
-    metrics = {"ratio_mean": masked_mean(ratio_BT.detach(), batch.weights_BT).item()}
+    log_ratio_BT = logprobs_BT - batch.behaviour_logprobs_BT
+    ratio_BT = log_ratio_BT.exp()
+    loss = -_reduce(ratio_BT * batch.advantages_BT, batch.weights_BT, cfg)
+    metrics = {"ratio_mean": masked_mean(ratio_BT.detach(), batch.weights_BT).item(),
+               "approx_kl": approx_kl(log_ratio_BT, batch.weights_BT)}
     return _with_kl(loss, logprobs_BT, batch, cfg, metrics), metrics
 
 
 def _clipped_surrogate(logprobs_BT: torch.Tensor, batch: LossBatch,
                        cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """-min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A), averaged by `cfg.normalization`."""
-    ratio_BT = (logprobs_BT - batch.behaviour_logprobs_BT).exp()
+    """-min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A), averaged by `cfg.normalization`.
+
+    The min picks the clipped term, constant in the policy, exactly where the ratio has left the
+    band on the side its advantage pushes it: ratio > 1 + eps with A > 0, ratio < 1 - eps with
+    A < 0. Those tokens carry no gradient, and `clip_fraction` is their share of the weighted
+    tokens (a ratio outside the band on the other side still has its gradient: it is not counted).
+    """
+    log_ratio_BT = logprobs_BT - batch.behaviour_logprobs_BT
+    ratio_BT = log_ratio_BT.exp()
     adv_BT = batch.advantages_BT
     surrogate_BT = torch.minimum(ratio_BT * adv_BT, ratio_BT.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv_BT)
-    loss = -masked_mean(surrogate_BT, batch.weights_BT, cfg.normalization)
-    clipped_BT = ((ratio_BT - 1).abs() > cfg.clip_eps).float()
-    metrics = {"clip_fraction": masked_mean(clipped_BT, batch.weights_BT).item(),
-               "ratio_mean": masked_mean(ratio_BT.detach(), batch.weights_BT).item()}
+    loss = -_reduce(surrogate_BT, batch.weights_BT, cfg)
+    with torch.no_grad():
+        clipped_BT = (((ratio_BT > 1 + cfg.clip_eps) & (adv_BT > 0)) | ((ratio_BT < 1 - cfg.clip_eps) & (adv_BT < 0)))
+    metrics = {"clip_fraction": masked_mean(clipped_BT.float(), batch.weights_BT).item(),
+               "ratio_mean": masked_mean(ratio_BT.detach(), batch.weights_BT).item(),
+               "approx_kl": approx_kl(log_ratio_BT, batch.weights_BT)}
     return loss, metrics
 
 
@@ -132,23 +169,29 @@ def value_loss(batch: LossBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[st
     """0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped = V_old + clip(V - V_old, +-value_clip).
 
     Metrics: `value_loss`, `explained_variance` (1 - Var[R - V] / Var[R] over weighted tokens;
-    1 is a perfect critic, 0 no better than a constant).
+    1 is a perfect critic, 0 no better than a constant), `value_clip_fraction` (share of weighted
+    tokens whose value moved past the clip away from its return: no value gradient there).
     """
     if batch.values_BT is None or batch.returns_BT is None or batch.old_values_BT is None:
         raise ValueError("the value loss needs values_BT, old_values_BT and returns_BT: the algorithm must be "
                          "registered with value_head=True and its datums scored with GAE")
     v_BT, ret_BT, w_BT = batch.values_BT, batch.returns_BT, batch.weights_BT
     err_BT = (v_BT - ret_BT).square()
+    value_clipped_BT = torch.zeros_like(w_BT, dtype=torch.bool)
     if cfg.value_clip > 0:
         v_clipped_BT = batch.old_values_BT + (v_BT - batch.old_values_BT).clamp(-cfg.value_clip, cfg.value_clip)
-        err_BT = torch.maximum(err_BT, (v_clipped_BT - ret_BT).square())
-    loss = 0.5 * masked_mean(err_BT, w_BT, cfg.normalization)
+        clipped_err_BT = (v_clipped_BT - ret_BT).square()
+        # the clipped branch wins (and blocks the gradient) only where V left the band
+        value_clipped_BT = ((v_BT - batch.old_values_BT).abs() > cfg.value_clip) & (clipped_err_BT > err_BT)
+        err_BT = torch.maximum(err_BT, clipped_err_BT)
+    loss = 0.5 * _reduce(err_BT, w_BT, cfg)
     with torch.no_grad():
         var_ret = masked_mean((ret_BT - masked_mean(ret_BT, w_BT)).square(), w_BT)
         resid_BT = ret_BT - v_BT
         var_resid = masked_mean((resid_BT - masked_mean(resid_BT, w_BT)).square(), w_BT)
         explained = (1 - var_resid / var_ret).item() if var_ret > 1e-12 else 0.0
     return loss, {"value_loss": loss.item(), "explained_variance": explained,
+                  "value_clip_fraction": masked_mean(value_clipped_BT.float(), w_BT).item(),
                   "value_mean": masked_mean(v_BT.detach(), w_BT).item(),
                   "return_mean": masked_mean(ret_BT, w_BT).item()}
 
@@ -163,19 +206,18 @@ def ppo_loss(logprobs_BT: torch.Tensor, batch: LossBatch, cfg: LossConfig) -> tu
     return _with_kl(policy_loss + cfg.vf_coef * vf_loss, logprobs_BT, batch, cfg, metrics), metrics
 
 
-def dr_grpo_loss(logprobs_BT: torch.Tensor, batch: LossBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """Dr. GRPO (Liu et al., 2025): the critic-free clipped surrogate on group-centred advantages
-    (no division by the group's std). Meant with `normalization: token`, so long and short
-    replies weigh per token rather than per reply (the length bias Dr. GRPO removes). The paper
-    divides the token sum by a constant (the maximum reply length) where `token` divides by the
-    batch's token count: the same direction, scaled by a per-batch factor."""
+def grpo_loss(logprobs_BT: torch.Tensor, batch: LossBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO (Shao et al., 2024): the critic-free clipped surrogate on group-normalised advantages
+    plus `kl_coef` * KL, averaged by `cfg.normalization` (the paper's: 'sequence')."""
     loss, metrics = _clipped_surrogate(logprobs_BT, batch, cfg)
     return _with_kl(loss, logprobs_BT, batch, cfg, metrics), metrics
 
 
-def grpo_loss(logprobs_BT: torch.Tensor, batch: LossBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO: the clipped surrogate on group-normalised advantages plus `kl_coef` * KL.
-
-    The same surrogate as `dr_grpo_loss`; kept as its own name so configs read as papers do.
-    """
-    return dr_grpo_loss(logprobs_BT, batch, cfg)
+def dr_grpo_loss(logprobs_BT: torch.Tensor, batch: LossBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training"): GRPO without its two
+    biases. Advantages are group-centred, not divided by the group's std (the registry pairs
+    this loss with `group_centered`), and every per-token term (surrogate and KL) is summed and
+    divided by a constant, sequences x `cfg.max_tokens`, instead of by each reply's length: a
+    token weighs the same in a long reply as in a short one and in every batch. This is TRL's
+    `loss_type="dr_grpo"` (constant `max_completion_length`); `cfg.normalization` is ignored."""
+    return grpo_loss(logprobs_BT, batch, replace(cfg, normalization="constant"))

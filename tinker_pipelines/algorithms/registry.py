@@ -39,6 +39,11 @@ class Algorithm:
     """A preference loss: datums come in (chosen, rejected) pairs, rows 2i and 2i + 1 of a batch."""
     needs_reference: bool = False
     """The loss reads reference logprobs even without a KL penalty (DPO)."""
+    epochs: int = 1
+    """Passes over each rollout when `algorithm.ppo_epochs` is not set (PPO: 4)."""
+    normalization: str | None = None
+    """The loss normalization the algorithm is defined with (Dr. GRPO: 'constant'); None: it
+    follows `algorithm.normalization` ('sequence' when unset)."""
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -70,7 +75,8 @@ def register_algorithm(algorithm: Algorithm) -> Algorithm:
 def _signature(a: Algorithm) -> tuple:
     """What makes two registrations the same definition: the loss by qualified name (a module
     imported again makes new function objects) and every other field."""
-    return (_where(a.loss), a.advantages, a.min_group_size, a.value_head, a.pairwise, a.needs_reference)
+    return (_where(a.loss), a.advantages, a.min_group_size, a.value_head, a.pairwise, a.needs_reference, a.epochs,
+            a.normalization)
 
 
 def get_algorithm(name: str) -> Algorithm:
@@ -84,8 +90,9 @@ def get_algorithm(name: str) -> Algorithm:
 register_algorithm(Algorithm("sft", sft_loss, None))
 register_algorithm(Algorithm("importance_sampling", importance_sampling_loss, "group_centered", 2))
 # PPO scores with its critic (GAE), not a group baseline: any group size works.
-register_algorithm(Algorithm("ppo", ppo_loss, None, value_head=True))
-register_algorithm(Algorithm("dr_grpo", dr_grpo_loss, "group_centered", 2))
+# PPO reuses each rollout: 4 epochs (TRL's num_ppo_epochs, cleanrl's update_epochs), whole batch per step.
+register_algorithm(Algorithm("ppo", ppo_loss, None, value_head=True, epochs=4))
+register_algorithm(Algorithm("dr_grpo", dr_grpo_loss, "group_centered", 2, normalization="constant"))
 register_algorithm(Algorithm("grpo", grpo_loss, "group_normalized", 2))
 register_algorithm(Algorithm("rloo", importance_sampling_loss, "leave_one_out", 2))
 register_algorithm(Algorithm("dpo", dpo_loss, None, pairwise=True, needs_reference=True))

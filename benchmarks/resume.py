@@ -45,7 +45,9 @@ PLAIN = {
     "eval": {"every": 2, "num_tasks": 4},
 }
 PPO = {**PLAIN, "algorithm": {"name": "ppo", "kl_coef": 0.0}, "sft": {"steps": 0}}
-DAGSTER = {**PLAIN, "training": {**PLAIN["training"], "iterations": 3}, "sft": {"steps": 0}}
+# PPO, whose value head trains on every episode: without a warm start the tiny model's GRPO groups
+# are uniform and would never take an optimizer step (a kill-and-resume of nothing).
+DAGSTER = {**PPO, "training": {**PPO["training"], "iterations": 3}}
 
 
 # -- the child: training with probes that report moments ------------------------------------
@@ -286,6 +288,8 @@ def dagster_result(home: Path, ref_home: Path, iterations: int, killed_in_run: b
 def trial(kind: str, cfg: dict, ref: dict, work: Path, i: int, rng: random.Random) -> dict[str, Any]:
     moments = PLAIN_MOMENTS if kind == "plain" else DAGSTER_MOMENTS
     moment = moments[i % len(moments)]
+    if moment not in ref["gaps"]:
+        raise RuntimeError(f"the uninterrupted {kind} run never reached moment {moment!r}: {sorted(ref['gaps'])}")
     gaps = ref["gaps"][moment]
     # between iterations/runs: not after the last one, where nothing is left to resume
     n = {"between_runs": lambda: rng.randrange(1, len(gaps)),

@@ -79,6 +79,17 @@ def test_same_metrics_in_process_and_on_a_worker(tmp_path, worker):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_ppo_epochs_and_minibatches_give_the_same_metrics_on_a_worker(tmp_path, worker):
+    """PPO's update loop (2 epochs x 2 shuffled minibatches, critic values over IPC) only calls
+    forward_backward / optim_step, so a worker reproduces the in-process run exactly."""
+    address, _ = worker("--no-batching")
+    over = {"algorithm": {"name": "ppo", "ppo_epochs": 2, "minibatches": 2},
+            "training": {**SMALL["training"], "iterations": 1}}
+    local = [deterministic_metrics(m) for m in train(_cfg(tmp_path, "ppo-local", **over))]
+    remote = [deterministic_metrics(m) for m in train(_cfg(tmp_path, "ppo-remote", **over), worker=str(address))]
+    assert local == remote and local[-1]["optim_steps"] == 4 and local[-1]["clip_fraction"] > 0
+
+
 def test_two_experiments_interleaved_equal_their_solo_runs(tmp_path, worker):
     address, _ = worker()
     cfgs = [_cfg(tmp_path, "e1", seed=1), _cfg(tmp_path, "e2", seed=2)]

@@ -312,3 +312,28 @@ def test_config_values_reach_the_sampler_and_learner():
     assert (lr.cfg.top_k, lr.cfg.top_p, lr.cfg.min_p) == (7, 0.9, 0.01)
     assert exp.sampler().tokenizer is exp.tokenizer
     assert config_from_dict({}).training.stop == [] and Experiment(config_from_dict({})).rollout_cfg.sampling_kwargs() == {}
+
+
+def test_worker_process_serves_the_parameters(tiny, tmp_path):
+    import os
+    import signal
+
+    from tinker_pipelines.worker.client import RemoteLearner, RemoteSampler, WorkerClient, start_worker
+
+    model, tok = tiny
+    prompts = _prompts(len(tok))
+    proc = start_worker("tiny", tmp_path / "w.sock", device="cpu", extra=["--threads", "1"], log=tmp_path / "log")
+    try:
+        client = WorkerClient(tmp_path / "w.sock")
+        RemoteLearner(client, "e", LearnerConfig(top_p=0.8), seed=0, base_name="tiny")  # a fresh adapter: the base
+        kw = dict(top_k=30, top_p=0.8, stop=("e",))
+        remote = RemoteSampler(client, "e").sample(prompts, 10, 1.0, torch.Generator().manual_seed(6), **kw)
+        local = Sampler(model, tok.pad_token_id, stop_token_ids(tok), tokenizer=tok).sample(
+            prompts, 10, 1.0, torch.Generator().manual_seed(6), **kw)
+        assert [s.tokens for s in remote] == [s.tokens for s in local]
+        assert [s.stop_string for s in remote] == [s.stop_string for s in local]
+        assert any(s.stop_string for s in local)
+        client.close()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)

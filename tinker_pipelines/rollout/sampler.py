@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from tinker_pipelines.rollout.lean_llama import LeanLlamaDecoder, PromptStore, weights_fingerprint
-from tinker_pipelines.rollout.truncation import check_params, is_active, keep_mask, truncated_logprobs
+from tinker_pipelines.rollout.truncation import check_params, is_active, keep_mask
 
 
 @dataclass(frozen=True)
@@ -127,13 +127,13 @@ def _invert_cdf(logprobs_BV: torch.Tensor, generator: torch.Generator | None, un
     if uniforms_B is None:
         device = generator.device if generator is not None else "cpu"
         uniforms_B = torch.rand(B, generator=generator, device=device)
-    sample_lp_BV = logprobs_BV
-    if truncation is not None:
+    probs_BV = logprobs_BV.exp()
+    if truncation is not None:  # the kept tokens' mass, renormalized through the CDF's total
         keep_BV = keep_mask(logprobs_BV, *truncation)
         if greedy_B is not None:
             keep_BV |= greedy_B[:, None]
-        sample_lp_BV = truncated_logprobs(logprobs_BV, keep_BV)
-    cdf_BV = sample_lp_BV.exp().cumsum(dim=-1)
+        probs_BV = probs_BV * keep_BV
+    cdf_BV = probs_BV.cumsum(dim=-1)
     total_B1 = cdf_BV[:, -1:].contiguous()
     u_B1 = uniforms_B.to(logprobs_BV.device)[:, None] * total_B1
     tokens_B = torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(1)
@@ -142,9 +142,11 @@ def _invert_cdf(logprobs_BV: torch.Tensor, generator: torch.Generator | None, un
     tokens_B = torch.minimum(tokens_B, torch.searchsorted(cdf_BV, total_B1).squeeze(1))
     if greedy_B is not None:
         tokens_B = torch.where(greedy_B, logprobs_BV.argmax(dim=-1), tokens_B)
-        if truncation is not None:
-            sample_lp_BV = torch.where(greedy_B[:, None], logprobs_BV, sample_lp_BV)
-    return tokens_B, sample_lp_BV.gather(1, tokens_B[:, None]).squeeze(1)
+    lp_B = logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+    if truncation is not None:  # log of the renormalized distribution (greedy rows: untruncated)
+        renorm_B = lp_B - total_B1.squeeze(1).log()
+        lp_B = renorm_B if greedy_B is None else torch.where(greedy_B, lp_B, renorm_B)
+    return tokens_B, lp_B
 
 
 def completion_text(tokenizer: PreTrainedTokenizerBase, sample: Sample, stop_token_ids: list[int] | tuple = ()) -> str:

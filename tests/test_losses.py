@@ -80,6 +80,10 @@ def test_dr_grpo_is_grpo_without_std_and_length_normalization():
         assert loss.item() == pytest.approx(-(3 - 1) / (2 * 4))  # -sum(ratio * A) / (B * max_tokens)
     loss.backward()
     assert lp.grad.flatten().tolist() == pytest.approx([-1 / 8] * 3 + [1 / 8, 0.0, 0.0])  # every token weighs 1 / (B L)
+    ref = LossBatch(w, behaviour_logprobs_BT=torch.zeros(2, 3), advantages_BT=adv, ref_logprobs_BT=torch.full((2, 3), -1.0))
+    kl_loss, m = dr.loss(torch.zeros(2, 3), ref, LossConfig(kl_coef=1.0, kl_estimator="k1", max_tokens=4))
+    assert kl_loss.item() == pytest.approx(-(3 - 1) / 8 + 4 / 8)  # the KL term divided by the same constant
+    assert m["kl"] == pytest.approx(1.0)  # logged per token, comparable across normalizations
     g_loss, _ = grpo.loss(lp, batch, LossConfig())
     assert g_loss.item() == pytest.approx(-(1 - 1) / 2)  # sequence means 1 and -1: the long reply weighs no more
 

@@ -122,7 +122,9 @@ def _with_kl(loss: torch.Tensor, logprobs_BT: torch.Tensor, batch: LossBatch, cf
         return loss
     kl_BT = kl_penalty(logprobs_BT, batch.ref_logprobs_BT, cfg.kl_estimator)
     kl = _reduce(kl_BT, batch.weights_BT, cfg)
-    metrics["kl"] = kl.item()
+    # logged as a per-token average: under 'constant' the penalty term is a sum over B x max_tokens
+    shown = masked_mean(kl_BT.detach(), batch.weights_BT) if cfg.normalization == "constant" else kl
+    metrics["kl"] = shown.item()
     return loss + cfg.kl_coef * kl if cfg.kl_coef else loss
 
 

@@ -1,7 +1,7 @@
 """What a person sees in the two UIs, over a real experiment, in headless Chromium.
 
-One module fixture trains experiment `uitest` for real (the SFT warm start, two `rl` iterations,
-each evaluated, on the tiny model; then the `evaluate` job promotes the latest version to
+One module fixture trains experiment `uitest` for real (the SFT warm start, two `rl` iterations
+(the last one evaluated), on the tiny model; then the `evaluate` job promotes the latest version to
 `champion`) on the session's project home while it starts `dagster-webserver` and `mlflow ui`
 (the command `python -m tinker_pipelines.tracking` prints) on 127.0.0.1. Exact facts are asserted
 through Dagster's GraphQL endpoint and MLflow's REST API; the browser (Debian's `chromium`,
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 EXP = "uitest"
 MODEL = registered_model_name(EXP)
-CONFIG = {**SMALL, "training": {**SMALL["training"], "iterations": 2}, "eval": {"every": 1, "num_tasks": 8},
+CONFIG = {**SMALL, "training": {**SMALL["training"], "iterations": 2}, "eval": {"every": 2, "num_tasks": 4},
           "sft": {**SMALL["sft"], "steps": 20}}
 RL_ASSETS = {"rollout_batch": {"rewards_finite"}, "scored_trajectories": set(),
              "adapter_checkpoint": {"adapter_loads", "kl_within_bound"}, "eval_report": {"not_worse_than_champion"}}
@@ -53,7 +53,7 @@ class World:
     dagster: str  # http://127.0.0.1:PORT
     mlflow: str
     dagster_home: Path
-    nux_seen_before: bool
+    community_dialog_dismissed: bool
     shots: Path
     browser: object
 
@@ -118,15 +118,18 @@ def world(request, tmp_path_factory):
         pytest.skip("no chromium on PATH (`apt-get install chromium`, as scripts/setup does when run as root)")
     from playwright.sync_api import sync_playwright
 
-    home = tinker_home()
+    from tinker_pipelines.tracking import TinkerHome
+
+    home = tinker_home()  # the session's: MLflow store and artifacts of the code location's resources
+    # a Dagster instance of our own, fresh as a user's first one (its dagster.yaml from TinkerHome.ensure)
+    dagster_home = TinkerHome(tmp_path_factory.mktemp("ui-home")).ensure().dagster_home
     root = Path(os.environ["TINKER_TEST_ARTIFACTS"]) if os.environ.get("TINKER_TEST_ARTIFACTS") else \
         tmp_path_factory.mktemp("ui")
     shots = root / "ui_screenshots"
     shots.mkdir(parents=True, exist_ok=True)
     logs = tmp_path_factory.mktemp("ui-logs")
-    env = {**os.environ, "DAGSTER_HOME": str(home.dagster_home), "TINKER_HOME": str(home.root),
+    env = {**os.environ, "DAGSTER_HOME": str(dagster_home), "TINKER_HOME": str(home.root),
            "OMP_NUM_THREADS": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    nux_seen_before = (home.dagster_home / ".nux" / "nux.yaml").exists()
     dport, mport = _free_port(), _free_port()
     procs = []
     tracker()  # the MLflow schema first: `mlflow ui` creating it at the same moment fails one of the two
@@ -138,7 +141,7 @@ def world(request, tmp_path_factory):
             procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "wb"),
                                            start_new_session=True), log))
         t0 = time.monotonic()
-        with dg.DagsterInstance.from_config(str(home.dagster_home)) as instance:
+        with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
             assert run_sft(instance, EXP, CONFIG)
             assert run_iterations(instance, EXP, CONFIG) == [True, True]
             from tinker_pipelines.definitions import evaluate_job
@@ -152,14 +155,16 @@ def world(request, tmp_path_factory):
         _wait_until_up(dagster, f"http://127.0.0.1:{dport}/server_info", dlog)
         _wait_until_up(mlflow, f"http://127.0.0.1:{mport}/health", mlog)
         reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line(f"test_ui_browser: trained in {trained:.0f} s, both UIs up after "
-                                f"{time.monotonic() - t0:.0f} s; screenshots in {shots}")
+        capture = request.config.pluginmanager.get_plugin("capturemanager")
+        if reporter is not None and capture is not None:
+            with capture.global_and_fixture_disabled():  # shown even while pytest captures output
+                reporter.write_line(f"test_ui_browser: trained in {trained:.0f} s, both UIs up after "
+                                    f"{time.monotonic() - t0:.0f} s; screenshots in {shots}")
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM)
             try:
-                yield World(f"http://127.0.0.1:{dport}", f"http://127.0.0.1:{mport}", home.dagster_home,
-                            nux_seen_before, shots, browser)
+                yield World(f"http://127.0.0.1:{dport}", f"http://127.0.0.1:{mport}", dagster_home, False, shots,
+                            browser)
             finally:
                 browser.close()
     finally:
@@ -175,11 +180,12 @@ def world(request, tmp_path_factory):
 # -- Dagster ----------------------------------------------------------------------------------
 
 def _dismiss_community_dialog(world: World, page) -> None:
-    """Dagster shows 'Join the Dagster community' once per instance; Skip records it in
-    $DAGSTER_HOME/.nux/nux.yaml, so no later page (or person) sees it again."""
+    """Dagster shows 'Join the Dagster community' on the first visit to a fresh instance; Skip
+    records it in $DAGSTER_HOME/.nux/nux.yaml, so no later page (or person) sees it again."""
     dialog = page.get_by_text("Join the Dagster community")
-    if world.nux_seen_before:
+    if world.community_dialog_dismissed:
         return
+    assert not (world.dagster_home / ".nux").exists()
     dialog.wait_for(state="visible")
     page.get_by_role("button", name="Skip").click()
     dialog.wait_for(state="hidden")
@@ -188,7 +194,7 @@ def _dismiss_community_dialog(world: World, page) -> None:
     while not nux.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert "seen" in nux.read_text()
-    world.nux_seen_before = True
+    world.community_dialog_dismissed = True
 
 
 def test_graphql_asset_graph_checks_and_runs(world):
@@ -286,8 +292,8 @@ def test_mlflow_rest_kind_curve_and_champion(world):
     rid = run["info"]["run_id"]
     history = _rest(world, "metrics/get-history", run_id=rid, metric_key="reward_mean")["metrics"]
     assert sorted(m["step"] for m in history) == [0, 1]
-    assert sorted(m["step"] for m in _rest(world, "metrics/get-history", run_id=rid,
-                                           metric_key="eval/reward_mean")["metrics"]) == [0, 1]
+    assert [m["step"] for m in _rest(world, "metrics/get-history", run_id=rid,
+                                     metric_key="eval/reward_mean")["metrics"]] == [1]
     files = _rest(world, "artifacts/list", run_id=rid, path="curves")["files"]
     assert [f["path"] for f in files] == ["curves/learning_curve.png"] and int(files[0]["file_size"]) > 1000
     model = _rest(world, "registered-models/get", name=MODEL)["registered_model"]

@@ -1,4 +1,4 @@
-"""Jobs: `rl` (one iteration per run, partition `<experiment>:<iteration>`), `sft`, `dpo`, `evaluate`, `inference`."""
+"""Jobs: `rl` (one iteration per run, partition `<experiment>:<iteration>`), `sft`, `dpo`, `evaluate`, `inference`, `serve`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import dagster as dg
 from assets.dpo import DPO_ASSETS
 from assets.evaluation import evaluate
 from assets.inference import inference_results
+from assets.serving import serve
 from assets.sft import sft_checkpoint
 from assets.training import RL_ASSETS
 from tinker_pipelines.schedule_rules import LOADS_MODEL_TAG
@@ -66,4 +67,4 @@ inference = dg.define_asset_job(
                 "or NAME) on a task set; per-episode JSONL in the artifact store. Config under "
                 "ops.inference_results.config.")
 
-JOBS = [rl, sft, dpo, evaluate, inference]
+JOBS = [rl, sft, dpo, evaluate, inference, serve]

@@ -1,5 +1,6 @@
 """`tinker-pipelines train CONFIG.yaml`: SFT warm start then RL, in a plain Python loop;
-`tinker-pipelines worker --model NAME`: a resident device worker hosting many experiments' adapters."""
+`tinker-pipelines worker --model NAME`: a resident device worker hosting many experiments' adapters;
+`tinker-pipelines serve [MODEL@ALIAS ...]`: an OpenAI-compatible endpoint over the base and registered adapters."""
 
 from __future__ import annotations
 
@@ -179,6 +180,70 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The endpoint on `--host`:`--port`; every fault before it serves is one line `error: ...`."""
+    import json
+    import socket
+
+    from tinker_pipelines.serving import ServingError
+
+    try:
+        kwargs = json.loads(args.model_kwargs) if args.model_kwargs else {}
+        if not isinstance(kwargs, dict):
+            raise ValueError("--model-kwargs must be a JSON object")
+        for name, v in (("--max-adapters", args.max_adapters), ("--max-concurrent", args.max_concurrent)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if not 0 <= args.port < 65536:
+            raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
+        if args.model is None and not args.models and not args.worker:
+            raise ValueError("name the base with --model, or a registered version (MODEL@ALIAS) to serve its base")
+    except (ValueError, json.JSONDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))  # before the model loads: a taken port fails at once
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        from tinker_pipelines.serving.launch import build_server
+
+        server = build_server(args.model, args.models[0] if args.models else None, args.worker or None,
+                              args.max_adapters, seed=args.seed, model_kwargs=kwargs, device=args.device,
+                              dtype=args.dtype, max_concurrent=args.max_concurrent)
+        for ref in args.models:  # loaded now, so the first request does not wait for them
+            _preload(server, ref)
+    except ServingError as e:
+        print(f"error: {_one_line(e.message)}", file=sys.stderr)
+        return 1
+    except Exception as e:  # a missing registry, a broken model directory, an unreachable worker
+        print(f"error: {_one_line(e if isinstance(e, ValueError) else f'{type(e).__name__}: {e}')}", file=sys.stderr)
+        return 1
+    import uvicorn
+
+    from tinker_pipelines.serving.app import build_app
+
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"serving {server.base_name}{''.join(', ' + r for r in args.models)} at http://{host}:{sock.getsockname()[1]}/v1",
+          flush=True)
+    uvicorn.Server(uvicorn.Config(build_app(server), log_level="warning")).run(sockets=[sock])
+    return 0
+
+
+def _preload(server, ref: str) -> None:
+    import asyncio
+
+    _, key, _ = asyncio.run(server.acquire(ref))
+    server.release(key)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tinker-pipelines", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -211,6 +276,22 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--import", dest="imports", action="append", default=[],
                    help="import this module first (custom algorithms registered there); repeatable")
     w.set_defaults(func=cmd_worker)
+    s = sub.add_parser("serve", help="an OpenAI-compatible endpoint over the base model and registered adapters")
+    s.add_argument("models", nargs="*", metavar="MODEL@ALIAS",
+                   help="registered versions to load at start (MODEL@ALIAS, MODEL/VERSION); the first names the "
+                        "base when --model is not given")
+    s.add_argument("--model", help="the base: catalog name or model directory (default: the first version's base)")
+    s.add_argument("--model-kwargs", default="", help="JSON builder arguments of the base (for tiny: hidden_size, ...)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the tiny base's weights (with --model tiny)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
+    s.add_argument("--max-adapters", type=int, default=4, help="adapters kept loaded (least recently used evicted)")
+    s.add_argument("--max-concurrent", type=int, default=64, help="requests decoding at once (others wait)")
+    s.add_argument("--worker", help="serve from the resident worker at this socket instead of in-process")
+    s.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (in-process engine)")
+    s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    s.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    s.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -48,4 +48,8 @@ def inference_job() -> dg.JobDefinition:
     return defs.resolve_job_def("inference")
 
 
-__all__ = ["defs", "evaluate", "rl_job", "sft_job", "dpo_job", "evaluate_job", "inference_job"]
+def serve_job() -> dg.JobDefinition:
+    return defs.resolve_job_def("serve")
+
+
+__all__ = ["defs", "evaluate", "rl_job", "sft_job", "dpo_job", "evaluate_job", "inference_job", "serve_job"]

@@ -1,0 +1,356 @@
+"""The OpenAI-compatible endpoint on a real uvicorn server on 127.0.0.1, with the `openai` client
+unchanged, over a real MLflow registry whose versions were registered by the `sft` and `rl` jobs:
+base and adapters addressed as MODEL@ALIAS / MODEL/VERSION, streaming on the wire exactly,
+episodes and `evaluate` against the endpoint equal to in-process, LRU eviction, the bad inputs
+(unknown model, malformed JSON, context overflow, max_tokens, a client gone mid-stream, corrupt
+files), the CLI's one-line errors, and the Dagster `serve` job."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import dagster as dg
+import openai
+import pytest
+import torch
+from dagster_env import NO_SFT, tracker
+
+from tinker_pipelines.config import config_from_dict
+from tinker_pipelines.experiment import Experiment
+from tinker_pipelines.inference import experiment_from_checkpoint
+from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes
+from tinker_pipelines.serving.client import EndpointSampler, evaluate_endpoint
+from tinker_pipelines.serving.launch import ServerThread, build_server
+from tinker_pipelines.serving.registry import Registry
+from tinker_pipelines.tracking import registered_model_name
+from tinker_pipelines.tracking.mlflow_tracker import EXPERIMENT_TAG, checks_tags
+
+EXP = "serve"
+MODEL = registered_model_name(EXP)
+CFG = {**NO_SFT, "model": {"name": "tiny", "kwargs": {"num_layers": 2}}, "eval": {"every": 1, "num_tasks": 8}}
+Q = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+def _store():
+    from tinker_pipelines.definitions import defs
+
+    return defs.resources["artifact_store"].store()
+
+
+@pytest.fixture(scope="module")
+def instance():
+    """Versions 1 and 2 of `tinker-serve` (alias champion -> 2), registered as the `rl` asset does
+    (`Tracker.register_adapter` with its tags). Their adapters are the experiment's LoRA with B
+    drawn at random instead of trained (training the tiny model until it answers costs minutes
+    here): real checkpoints written by `Experiment.save`, so each version decodes differently."""
+    exp = Experiment(config_from_dict(CFG))
+    exp.start_rl()
+    t = tracker()
+    run_id = t.experiment_run(EXP)
+    gen = torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(2):
+            with torch.no_grad():
+                for name, p in exp.learner.model.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            record = exp.save(Path(tmp) / f"iter_{k}")
+            t.register_adapter(run_id, MODEL, Path(tmp) / f"iter_{k}", f"adapters/iter_{k:05d}", tags={
+                "partition": f"{EXP}:{k}", "content_hash": record["content_hash"], EXPERIMENT_TAG: EXP,
+                "iteration": str(k), **checks_tags([])})
+    t.set_alias(MODEL, "champion", "2")
+    yield
+
+
+@pytest.fixture(scope="module")
+def endpoint(instance):
+    """The endpoint over the base `champion` was trained on (inferred from the version), 2 adapter slots."""
+    server = build_server(ref=f"{MODEL}@champion", registry=Registry(tracker(), _store(), alias_ttl_s=0),
+                          max_adapters=2, device="cpu", dtype="float32", stream_tokens=3)
+    thread = ServerThread(server)
+    yield server, thread.url
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def client(endpoint):
+    return openai.OpenAI(base_url=endpoint[1], api_key="unused", max_retries=0)
+
+
+def _in_process(version: str):
+    with tempfile.TemporaryDirectory() as tmp:
+        return experiment_from_checkpoint(tracker().download_version(MODEL, version, tmp))
+
+
+def _post(url: str, path: str, body: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(url + path, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_base_and_adapters_through_the_openai_client(endpoint, client):
+    server, url = endpoint
+    ids = [m.id for m in client.models.list().data]
+    assert ids[0] == server.base_name == "tiny" and server.base_identity == "tiny(num_layers=2,seed=3)"
+    base = client.chat.completions.create(model=server.base_name, messages=Q, max_tokens=6, temperature=0)
+    champ = client.chat.completions.create(model=f"{MODEL}@champion", messages=Q, max_tokens=6, temperature=0)
+    v2 = client.chat.completions.create(model=f"{MODEL}/2", messages=Q, max_tokens=6, temperature=0)
+    assert champ.choices[0].message.content == v2.choices[0].message.content  # the alias is version 2
+    assert champ.model == f"{MODEL}@champion" and champ.object == "chat.completion"
+    # the adapter changes what the base says: the tokens come from the version, not the base
+    exp = _in_process("2")
+    prompt = exp.tokenizer.encode(exp.tokenizer.apply_chat_template(Q, add_generation_prompt=True, tokenize=False),
+                                  add_special_tokens=False)
+    (s,) = exp.sampler().sample([prompt], 6, 0.0)
+    assert champ.usage.prompt_tokens == len(prompt) and champ.usage.completion_tokens == len(s.tokens)
+    assert champ.choices[0].message.content == exp.tokenizer.decode(
+        [t for t in s.tokens if t not in server.stop_ids], skip_special_tokens=True)
+    assert f"{MODEL}/2" in [m.id for m in client.models.list().data]
+    text = client.completions.create(model=f"{MODEL}/1", prompt=["1 + 1 =", "2 + 2 ="], max_tokens=3, temperature=0)
+    assert [c.index for c in text.choices] == [0, 1] and text.usage.completion_tokens <= 6
+    assert base.choices[0].message is not None
+
+
+def _sse(url: str, body: dict) -> list[str]:
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("content-type").startswith("text/event-stream")
+    raw = r.read().decode()
+    conn.close()
+    return raw.split("\n\n")
+
+
+def test_streaming_follows_the_wire_format_exactly(endpoint, client):
+    _, url = endpoint
+    req = {"model": f"{MODEL}@champion", "messages": Q, "max_tokens": 7, "temperature": 0}
+    whole = client.chat.completions.create(**req)
+    events = _sse(url, {**req, "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert len({c["id"] for c in chunks}) == 1 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None}]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+        "prompt_tokens": whole.usage.prompt_tokens, "completion_tokens": whole.usage.completion_tokens,
+        "total_tokens": whole.usage.total_tokens}
+    assert all(c["usage"] is None for c in chunks[:-1])  # usage: null until the last chunk
+    finish = chunks[-2]["choices"][-1]
+    assert finish == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": whole.choices[0].finish_reason}
+    text = "".join(ch["delta"].get("content", "") for c in chunks[1:-1] for ch in c["choices"])
+    assert text == whole.choices[0].message.content
+    # without include_usage there is no usage chunk and no usage field; the openai client reads it all
+    plain = [json.loads(e.removeprefix("data: ")) for e in _sse(url, {**req, "stream": True})[:-2]]
+    assert all("usage" not in c and c["choices"] for c in plain)
+    parts = list(client.chat.completions.create(**req, stream=True, stream_options={"include_usage": True}))
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == text
+    assert parts[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_sampler_fields_pass_through(endpoint, client):
+    """stop (also across streamed segments), top_k and top_p reach the sampler."""
+    req = {"model": f"{MODEL}/1", "messages": Q, "max_tokens": 10, "temperature": 0}
+    full = client.chat.completions.create(**req).choices[0].message.content
+    assert len(full) >= 6
+    stop = full[4:6]
+    cut = client.chat.completions.create(**req, stop=[stop]).choices[0]
+    assert cut.message.content == full[: full.index(stop)] and cut.finish_reason == "stop"
+    parts = client.chat.completions.create(**req, stop=stop, stream=True)
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == cut.message.content
+    # top_k=1 is greedy whatever the temperature
+    greedy = client.chat.completions.create(**{**req, "temperature": 1.5}, seed=3, extra_body={"top_k": 1})
+    assert greedy.choices[0].message.content == full
+    a, b = (client.chat.completions.create(**{**req, "temperature": 1.0}, seed=5, top_p=0.9).choices[0].message.content
+            for _ in range(2))
+    assert a == b  # a seed makes a sampled reply repeat
+
+
+def test_an_episode_and_evaluate_against_the_endpoint_equal_in_process(endpoint):
+    _, url = endpoint
+    exp = _in_process("2")
+    expected = exp.evaluate(8)
+    got = evaluate_endpoint(url, f"{MODEL}@champion", 8)
+    assert got == {k: v for k, v in expected.items() if k.startswith("eval/")}
+    # the rollout code of training, token for token, with a multi-turn-capable sampler over HTTP
+    seeds = [10_000 + i for i in range(4)]
+    cfg = RolloutConfig(4, 0.0, 1)
+    remote = run_episodes(EndpointSampler(url, f"{MODEL}/2"), exp.tokenizer, [exp.eval_spec.build() for _ in seeds],
+                          seeds, cfg)
+    local = run_episodes(exp.sampler(), exp.tokenizer, [exp.eval_spec.build() for _ in seeds], seeds, cfg)
+    assert [t.turns[0].sampled_tokens for t in remote] == [t.turns[0].sampled_tokens for t in local]
+    for r, l in zip(remote, local):
+        assert max(abs(a - b) for a, b in zip(r.turns[0].sampled_logprobs, l.turns[0].sampled_logprobs)) < 1e-4
+
+
+def test_concurrent_adapters_share_batches_and_match_alone(endpoint, client):
+    server, _ = endpoint
+    models = [server.base_name, f"{MODEL}/1", f"{MODEL}/2"] * 3
+    alone = {m: client.completions.create(model=m, prompt="3 + 4 =", max_tokens=5, temperature=0).choices[0].text
+             for m in set(models)}
+    batches = server.backend.batches
+    out: dict[int, str] = {}
+
+    def ask(i: int, m: str) -> None:
+        out[i] = client.completions.create(model=m, prompt="3 + 4 =", max_tokens=5, temperature=0).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i, m)) for i, m in enumerate(models)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [out[i] for i in range(len(models))] == [alone[m] for m in models]
+    assert server.backend.batches - batches < len(models)  # some requests of different adapters shared a batch
+    assert len(set(alone.values())) > 1  # the adapters differ, so the equality means each row kept its own
+
+
+def test_adapters_load_on_first_use_and_the_least_recently_used_is_evicted(instance):
+    server = build_server(ref=f"{MODEL}/1", registry=Registry(tracker(), _store()), max_adapters=1, device="cpu",
+                          dtype="float32")
+    thread = ServerThread(server)
+    try:
+        c = openai.OpenAI(base_url=thread.url, api_key="x", max_retries=0)
+        assert [m.id for m in c.models.list().data] == [server.base_name]  # nothing loaded before a request
+        first = c.completions.create(model=f"{MODEL}/1", prompt="1 + 2 =", max_tokens=4, temperature=0).choices[0].text
+        c.completions.create(model=f"{MODEL}/2", prompt="1 + 2 =", max_tokens=4, temperature=0)
+        assert [m.id for m in c.models.list().data] == [server.base_name, f"{MODEL}/2"]
+        again = c.completions.create(model=f"{MODEL}/1", prompt="1 + 2 =", max_tokens=4, temperature=0).choices[0].text
+        assert again == first and [m.id for m in c.models.list().data][1:] == [f"{MODEL}/1"]
+    finally:
+        thread.stop()
+
+
+@pytest.mark.parametrize("model, message", [
+    (f"{MODEL}@nope", f"The model `{MODEL}@nope` does not exist: registered model '{MODEL}' has no alias 'nope'"),
+    (f"{MODEL}/99", f"The model `{MODEL}/99` does not exist: registered model '{MODEL}' has no version 99"),
+    ("tinker-nothing@champion", "The model `tinker-nothing@champion` does not exist: registered model "
+                                "'tinker-nothing' does not exist or has no versions"),
+])
+def test_unknown_model_is_a_404_naming_it(client, model, message):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model=model, messages=Q)
+    assert e.value.status_code == 404 and e.value.body["message"] == message and e.value.code == "model_not_found"
+
+
+def test_bad_requests_are_openai_errors_naming_the_field(endpoint, client):
+    server, url = endpoint
+    status, body = _post(url, "/chat/completions", b'{"model": "x", "messages": [')
+    assert status == 400 and body["error"]["code"] == "invalid_json" and "could not parse the JSON" in body["error"]["message"]
+    long = "1 + 1 = " * 400
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server.base_name, prompt=long, max_tokens=8)
+    assert e.value.code == "context_length_exceeded" and f"maximum context length is {server.max_context}" in str(e.value)
+    for bad in (0, -3, server.max_context + 1, "8"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=server.base_name, messages=Q, max_tokens=bad)
+        assert e.value.param == "max_tokens", bad
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=server.base_name, messages=Q, temperature=3)
+    assert e.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=server.base_name, messages=Q, frequency_penalty=0.5)
+    assert e.value.param == "frequency_penalty"
+    status, body = _post(url, "/chat/completions", json.dumps({"model": server.base_name, "messages": Q,
+                                                                "best_answer": 1}).encode())
+    assert status == 400 and body["error"]["param"] == "best_answer"
+    status, body = _post(url, "/completions", json.dumps({"model": server.base_name, "prompt": [[5, 10**7]]}).encode())
+    assert status == 400 and "outside the vocabulary" in body["error"]["message"]
+
+
+def test_a_client_gone_mid_stream_frees_its_slot_and_others_are_served(endpoint, client):
+    server, url = endpoint
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {"model": f"{MODEL}/1", "messages": Q, "max_tokens": 600, "temperature": 1.0, "seed": 1, "stream": True}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.readline().startswith(b"data: ")  # the stream is under way
+    assert server.active == 1
+    conn.sock.close()  # gone, without reading the rest
+    conn.close()
+    other = client.chat.completions.create(model=f"{MODEL}/2", messages=Q, max_tokens=4, temperature=0)
+    assert other.choices[0].message is not None
+    deadline = time.monotonic() + 20
+    while server.active and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.active == 0 and server.cache.in_use[f"{MODEL}/1"] == 0  # slot and adapter freed
+
+
+def test_a_version_whose_files_fail_their_hash_is_refused(instance, endpoint, client):
+    """Version 3: version 2's files registered again through `register_adapter`, then one of its
+    files in the MLflow artifact store altered."""
+    t = tracker()
+    mv = t.client.get_model_version(MODEL, "2")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = t.download_version(MODEL, "2", tmp)
+        tags = {**mv.tags, "partition": f"{EXP}:corrupt"}
+        v3 = t.register_adapter(mv.run_id, MODEL, path, "corrupt_adapter", tags)
+    source = Path(t.client.get_model_version(MODEL, v3).source.removeprefix("file://"))
+    weights = source / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        client.chat.completions.create(model=f"{MODEL}/{v3}", messages=Q)
+    assert e.value.code == "model_files_corrupt"
+    assert f"{MODEL} v{v3} cannot be served" in str(e.value) and "adapter_model.safetensors" in str(e.value)
+    assert f"{MODEL}/{v3}" not in [m.id for m in client.models.list().data]
+
+
+def test_tool_calls_in_responses():
+    from tinker_pipelines.serving.protocol import tool_message
+
+    content, calls = tool_message('Let me compute. <tool_call>{"name": "calculator", "arguments": '
+                                  '{"expression": "6*7"}}</tool_call>')
+    assert content == "Let me compute." and calls[0]["type"] == "function"
+    assert calls[0]["function"] == {"name": "calculator", "arguments": '{"expression": "6*7"}'}
+    assert tool_message("plain 42") == ("plain 42", None)
+    assert tool_message("<tool_call>{not json</tool_call>") == ("<tool_call>{not json</tool_call>", None)
+
+
+def test_cli_errors_are_one_line(instance, endpoint, capsys):
+    from tinker_pipelines.cli import main
+
+    _, url = endpoint
+    port = url.split(":")[2].split("/")[0]
+    for args, message, status in [
+            (["--model", "tiny", "--port", port], f"error: cannot listen on 127.0.0.1:{port}: Address already in use", 1),
+            ([f"{MODEL}@nope", "--port", "0"], f"error: The model `{MODEL}@nope` does not exist: registered model "
+                                               f"'{MODEL}' has no alias 'nope'", 1),
+            (["--port", "0"], "error: name the base with --model, or a registered version", 2),
+            (["--model", "tiny", "--max-adapters", "0"], "error: --max-adapters must be >= 1, got 0", 2)]:
+        assert main(["serve", *args]) == status
+        err = capsys.readouterr().err
+        assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow  # a fresh process imports the ML stack: ~20 s idle, minutes on a loaded machine
+def test_serve_job_deploys_the_endpoint_on_loopback(instance):
+    from tinker_pipelines.definitions import serve_job
+
+    run_config = {"ops": {"serve_endpoint": {"config": {"models": [f"{MODEL}@champion"], "port": 0}}}}
+    with dg.instance_for_test() as inst, \
+            dg.execute_job(dg.reconstructable(serve_job), inst, run_config=run_config) as result:
+        assert result.success
+        url = result.output_for_node("serve_endpoint")
+        (output,) = [e for e in result.all_events if e.event_type_value == "STEP_OUTPUT"]
+        md = {k: v.value for k, v in output.event_specific_data.metadata.items()}
+    try:
+        assert url == md["url"] and url.startswith("http://127.0.0.1:")
+        c = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+        assert f"{MODEL}/2" in [m.id for m in c.models.list().data]  # loaded at start
+        assert c.chat.completions.create(model=f"{MODEL}@champion", messages=Q, max_tokens=3).choices
+    finally:
+        os.killpg(md["pid"], signal.SIGTERM)

@@ -1,0 +1,337 @@
+"""The OpenAI-compatible HTTP app: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+
+The `model` field names the base (`Server.base_name`) or a registry version (`MODEL@ALIAS`,
+`MODEL/VERSION`, `MODEL` for the latest). A stream decodes in segments of `stream_tokens`: each
+segment is one request to the backend's next clock cycle, so a streaming client shares batches
+with everyone else, and one that goes away stops at the next segment boundary and frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tinker_pipelines.models import render_chat
+from tinker_pipelines.rollout.sampler import BASE, Sample, SampleRequest
+from tinker_pipelines.serving import protocol as P
+from tinker_pipelines.serving.backend import AdapterCache
+from tinker_pipelines.serving.errors import ServingError, bad_request, model_not_found
+
+
+@dataclass
+class Server:
+    """What the app serves: a backend over one base, its tokenizer, and the registry."""
+
+    backend: Any
+    tokenizer: Any
+    base_name: str
+    """The base model's id in `model` fields and `/v1/models`."""
+    base_identity: str
+    """`models.base_identity` of the served base; a version trained on another base is refused."""
+    registry: Any = None
+    max_adapters: int = 4
+    max_concurrent: int = 64
+    """Requests decoding at once; more wait for a slot."""
+    stream_tokens: int = 8
+    """Tokens per streamed segment (one backend request each)."""
+    default_max_tokens: int = 256
+    created: int = field(default_factory=lambda: int(time.time()))
+    active: int = 0
+    """Requests holding a slot now (`/health`)."""
+
+    def __post_init__(self) -> None:
+        self.cache = AdapterCache(self.backend, self.max_adapters)
+        self.max_context = self.backend.max_context
+        self.stop_ids = set(self.backend.stop_token_ids)
+        self._slots: asyncio.Semaphore | None = None
+
+    # -- models ----------------------------------------------------------------------------
+    async def acquire(self, model: str) -> tuple[str, str | None, Any]:
+        """(engine adapter, cache key or None for the base, Version or None); 404 naming an unknown one."""
+        if model in (self.base_name, "base"):
+            return BASE, None, None
+        if self.registry is None:
+            raise model_not_found(model, f"this server serves only its base {self.base_name!r} (no registry)")
+        name, version = await asyncio.to_thread(self.registry.resolve, model)
+        key = f"{name}/{version}"
+
+        def fetch():
+            v = self.registry.fetch(name, version)
+            if v.base != self.base_identity:
+                raise ServingError(400, f"{name} v{version} was trained on base {v.base}; this server serves "
+                                        f"{self.base_identity} (start one with --model {v.base_path})",
+                                   "invalid_request_error", "model", "model_base_mismatch")
+            return v
+        adapter, v = await asyncio.to_thread(self.cache.acquire, key, fetch)
+        return adapter, key, v
+
+    def release(self, key: str | None) -> None:
+        if key is not None:
+            self.cache.release(key)
+
+    def card(self, model_id: str, v: Any = None) -> dict[str, Any]:
+        out = {"id": model_id, "object": "model", "created": self.created, "owned_by": "tinker-pipelines",
+               "root": model_id if v is None else self.base_name, "parent": None if v is None else self.base_name,
+               "max_model_len": self.max_context, "stop_token_ids": sorted(self.stop_ids)}
+        if v is not None:  # what a client needs to play the version's env against it (`serving.client`)
+            from tinker_pipelines.config import config_to_dict
+
+            out["tinker"] = {"registered_model": v.model, "version": v.version, "config": config_to_dict(v.config)}
+        return out
+
+    # -- decoding --------------------------------------------------------------------------
+    def slots(self) -> asyncio.Semaphore:
+        if self._slots is None:  # made inside the server's event loop
+            self._slots = asyncio.Semaphore(self.max_concurrent)
+        return self._slots
+
+    async def sample(self, adapter: str, prompts: list[list[int]], max_tokens: int, temperature: float,
+                     gen: torch.Generator | None, extra: dict[str, Any]) -> list[Sample]:
+        job = self.backend.submit(SampleRequest(prompts, max_tokens, temperature, gen, adapter, **extra))
+        try:
+            return await asyncio.wrap_future(job.future)
+        except asyncio.CancelledError:
+            job.cancelled = True  # the compute thread skips it if it has not started
+            raise
+        except ValueError as e:  # the sampler refused a parameter (the fields were checked already)
+            raise bad_request(str(e)) from None
+
+    def check_lengths(self, prompts: list[list[int]], params: P.Params, what: str) -> int:
+        longest = max(len(p) for p in prompts)
+        if params.max_tokens is None:
+            max_tokens = min(self.default_max_tokens, max(1, self.max_context - longest)) \
+                if what == "messages" else 16  # OpenAI's defaults: as much as fits / 16
+        else:
+            max_tokens = params.max_tokens
+        if longest + max_tokens > self.max_context:
+            raise P.context_error(longest, max_tokens, self.max_context, what)
+        return max_tokens
+
+    def text(self, tokens: tuple[int, ...] | list[int], stop: tuple[str, ...] = ()) -> tuple[str, bool]:
+        """(the reply's text as OpenAI returns it, whether a stop string ended it): stop tokens and
+        special tokens dropped, cut before the first stop string."""
+        text = self.tokenizer.decode([t for t in tokens if t not in self.stop_ids], skip_special_tokens=True)
+        cuts = [at for x in stop if (at := text.find(x)) >= 0]
+        return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+def build_app(server: Server):
+    """The FastAPI app over `server`."""
+    app = FastAPI(title="tinker-pipelines OpenAI-compatible endpoint")
+    app.state.server = server
+
+    @app.exception_handler(ServingError)
+    async def _serving_error(_req, e: ServingError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(404)
+    async def _no_route(req, _e):
+        return JSONResponse(ServingError(404, f"Invalid URL ({req.method} {req.url.path})").body(), status_code=404)
+
+    @app.exception_handler(405)
+    async def _no_method(req, _e):
+        return JSONResponse(ServingError(405, f"Method {req.method} is not allowed on {req.url.path}").body(),
+                            status_code=405)
+
+    @app.exception_handler(Exception)
+    async def _internal(_req, e: Exception):
+        msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return JSONResponse(ServingError(500, msg, "server_error").body(), status_code=500)
+
+    async def body_of(req: Request, allowed: set[str]) -> tuple[dict, P.Params]:
+        raw = await req.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad_request(f"We could not parse the JSON body of your request ({e}). The body must be one JSON "
+                              "object.", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object", code="invalid_json")
+        return body, P.check_params(body, allowed, server.max_context)
+
+    @app.get("/v1/models")
+    async def models():
+        data = [server.card(server.base_name)] + [server.card(k, v) for k, (_, v) in list(server.cache.loaded.items())]
+        return {"object": "list", "data": data}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        adapter, key, v = await server.acquire(model)
+        server.release(key)
+        return server.card(key or server.base_name, v)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "active_requests": server.active, "loaded": list(server.cache.loaded),
+                "batches": server.backend.batches}
+
+    @app.post("/v1/completions")
+    async def completions(req: Request):
+        body, params = await body_of(req, P.COMPLETIONS)
+        for key, default in (("echo", False), ("best_of", 1), ("suffix", None)):
+            if body.get(key, default) not in (default, None):
+                raise bad_request(f"{key} is not supported by this endpoint", key)
+        if body.get("logprobs") not in (None, 0):
+            raise bad_request("logprobs: only 0 (the sampled token's logprob) is supported", "logprobs")
+        prompts = P.completion_prompts(body, server.tokenizer)
+        max_tokens = server.check_lengths(prompts, params, "prompt")
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        return await respond(body, params, "text_completion", [p for p in prompts for _ in range(params.n)],
+                             max_tokens, lambda s, i: _text_choice(server, s, i, body.get("logprobs") == 0, as_ids,
+                                                                   params.extra.get("stop", ())), tools=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: Request):
+        body, params = await body_of(req, P.CHAT)
+        if body.get("response_format") not in (None, {"type": "text"}):
+            raise bad_request("response_format: only {type: text} is supported", "response_format")
+        if body.get("tool_choice") not in (None, "auto", "none"):
+            raise bad_request("tool_choice: only 'auto' and 'none' are supported", "tool_choice")
+        messages = P.chat_messages(body)
+        tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
+        kwargs = {"tools": body["tools"]} if body.get("tools") else {}
+        try:
+            text = server.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs) \
+                if kwargs else render_chat(server.tokenizer, messages)
+        except Exception as e:  # a template that refuses these messages (e.g. roles out of order)
+            raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
+        prompt = server.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = server.check_lengths([prompt], params, "messages")
+        want_lp = bool(body.get("logprobs"))
+        return await respond(body, params, "chat.completion", [prompt] * params.n, max_tokens,
+                             lambda s, i: _chat_choice(server, s, i, tools, want_lp, params.extra.get("stop", ())),
+                             tools=tools)
+
+    async def respond(body, params: P.Params, kind: str, prompts, max_tokens, choice, tools: bool):
+        model = body["model"]
+        adapter, key, _ = await server.acquire(model)
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        if not params.stream:
+            try:
+                async with server.slots():
+                    server.active += 1
+                    try:
+                        samples = await server.sample(adapter, prompts, max_tokens, params.temperature, gen, params.extra)
+                    finally:
+                        server.active -= 1
+            finally:
+                server.release(key)
+            out = P.envelope(kind, P.new_id("chatcmpl" if kind == "chat.completion" else "cmpl"), model)
+            out["choices"] = [choice(s, i) for i, s in enumerate(samples)]
+            out["usage"] = P.usage(sum(len(p) for p in prompts[:: params.n]), sum(len(s.tokens) for s in samples))
+            return out
+        return StreamingResponse(stream(model, adapter, key, kind, prompts, max_tokens, params, gen, tools),
+                                 media_type="text/event-stream")
+
+    async def stream(model, adapter, key, kind, prompts, max_tokens, params: P.Params, gen, tools: bool) -> AsyncIterator[str]:
+        chat_kind = kind == "chat.completion"
+        base = P.envelope("chat.completion.chunk" if chat_kind else "text_completion",
+                          P.new_id("chatcmpl" if chat_kind else "cmpl"), model)
+
+        def chunk(choices: list, usage: dict | None = None) -> str:
+            obj = {**base, "choices": choices}
+            if params.include_usage:
+                obj["usage"] = usage
+            return f"data: {json.dumps(obj)}\n\n"
+
+        def piece(i: int, text: str | None, finish: str | None, role: bool = False) -> dict:
+            if not chat_kind:
+                return {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+        stops = params.extra.get("stop", ())
+        tokens = [[] for _ in prompts]
+        sent = ["" for _ in prompts]
+        finish: list[str | None] = [None for _ in prompts]
+        try:
+            async with server.slots():
+                server.active += 1
+                try:
+                    if chat_kind:
+                        yield chunk([piece(i, None, None, role=True) for i in range(len(prompts))])
+                    while live := [i for i in range(len(prompts)) if finish[i] is None]:
+                        step = min(server.stream_tokens, max_tokens - len(tokens[live[0]]))
+                        out = await server.sample(adapter, [prompts[i] + tokens[i] for i in live], step,
+                                                  params.temperature, gen, params.extra)
+                        pieces = []
+                        for i, s in zip(live, out):
+                            tokens[i] += s.tokens
+                            text, stopped = server.text(tokens[i], stops)  # a stop string may span segments
+                            if s.stop_reason == "stop" or stopped or len(tokens[i]) >= max_tokens:
+                                finish[i] = "stop" if s.stop_reason == "stop" or stopped else "length"
+                            if finish[i] is None:  # hold back half a character and a possible stop string's start
+                                text = _hold_back(text, stops)
+                            if not tools and text[len(sent[i]):]:
+                                pieces.append(piece(i, text[len(sent[i]):], None))
+                                sent[i] = text
+                        if pieces:
+                            yield chunk(pieces)
+                    final = []
+                    for i in range(len(prompts)):
+                        text, _ = server.text(tokens[i], stops)
+                        if tools:  # a tool call is known only once the reply is complete
+                            content, calls = P.tool_message(text)
+                            if calls:
+                                finish[i] = "tool_calls"
+                                delta = {"content": content} if content else {}
+                                delta["tool_calls"] = [{**c, "index": j} for j, c in enumerate(calls)]
+                                final.append({"index": i, "delta": delta, "logprobs": None, "finish_reason": "tool_calls"})
+                                continue
+                            if text:
+                                final.append(piece(i, text, None))
+                        elif text[len(sent[i]):]:
+                            final.append(piece(i, text[len(sent[i]):], None))
+                        final.append(piece(i, None, finish[i]))
+                    yield chunk(final)
+                    if params.include_usage:
+                        n_prompt = sum(len(p) for p in prompts[:: params.n])
+                        yield f"data: {json.dumps({**base, 'choices': [], 'usage': P.usage(n_prompt, sum(map(len, tokens)))})}\n\n"
+                    yield "data: [DONE]\n\n"
+                finally:
+                    server.active -= 1
+        except ServingError as e:  # after the headers went out an error travels as an event
+            yield f"data: {json.dumps(e.body())}\n\n"
+        except ValueError as e:
+            yield f"data: {json.dumps(bad_request(str(e)).body())}\n\n"
+        finally:
+            server.release(key)
+
+    return app
+
+
+def _hold_back(text: str, stops: tuple[str, ...]) -> str:
+    """`text` without what may still change: half a UTF-8 character, or the start of a stop string."""
+    text = text.rstrip("\ufffd")
+    cut = max((k for x in stops for k in range(1, len(x)) if text.endswith(x[:k])), default=0)
+    return text[: len(text) - cut]
+
+
+def _text_choice(server: Server, s: Sample, i: int, logprobs: bool, as_ids: bool, stop: tuple[str, ...]) -> dict:
+    lp = None
+    if logprobs:
+        toks = [f"token_id:{t}" if as_ids else server.tokenizer.decode([t]) for t in s.tokens]
+        lp = {"tokens": toks, "token_logprobs": list(s.logprobs), "top_logprobs": None, "text_offset": None}
+    return {"index": i, "text": server.text(s.tokens, stop)[0], "logprobs": lp,
+            "finish_reason": "stop" if s.stop_reason == "stop" else "length"}
+
+
+def _chat_choice(server: Server, s: Sample, i: int, tools: bool, logprobs: bool, stop: tuple[str, ...]) -> dict:
+    text = server.text(s.tokens, stop)[0]
+    content, calls = P.tool_message(text) if tools else (text, None)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    lp = None
+    if logprobs:
+        lp = {"content": [{"token": server.tokenizer.decode([t]), "logprob": x, "bytes": None, "top_logprobs": []}
+                          for t, x in zip(s.tokens, s.logprobs)]}
+    finish = "tool_calls" if calls else ("stop" if s.stop_reason == "stop" else "length")
+    return {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}

@@ -1,0 +1,238 @@
+"""Where the endpoint's tokens come from: one base model and a bounded set of loaded adapters.
+
+`EngineBackend` serves from the resident worker's `Engine` in this process: a compute thread owns
+it (PEFT adapters are added and removed between batches, never during one) and decodes every
+pending request of a clock cycle in one mixed-adapter batch (`Sampler.sample_requests`: the base
+matmuls once over all rows, each row its own adapter's low-rank delta). `WorkerBackend` serves
+from a running `tinker-pipelines worker` over its socket instead; the worker batches there.
+
+Adapters are loaded on first use and kept, least recently used evicted past `max_adapters`; an
+adapter with a request in flight is never evicted.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+from tinker_pipelines.learner import LearnerConfig
+from tinker_pipelines.rollout.sampler import BASE, Sample, SampleRequest
+from tinker_pipelines.serving.errors import ServingError
+from tinker_pipelines.serving.registry import Version
+
+
+def learner_config(v: Version) -> LearnerConfig:
+    """The adapter's shape as it was trained (rank, alpha, targets); no value head or reference:
+    serving only decodes."""
+    t = v.config.training
+    return LearnerConfig(mode="lora", lora_rank=t.lora_rank, lora_alpha=t.lora_alpha, learning_rate=t.learning_rate)
+
+
+def adapter_name(v: Version) -> str:
+    """The version's adapter name on the engine (no '.', as the engine requires)."""
+    return f"{v.model}-v{v.version}".replace(".", "-")
+
+
+@dataclass
+class _Job:
+    request: SampleRequest
+    future: Future
+    cancelled: bool = False
+
+
+class EngineBackend:
+    """An in-process `Engine`, driven by one compute thread that batches concurrent requests."""
+
+    def __init__(self, engine, window_s: float = 0.003):
+        self.engine = engine
+        self.window_s = window_s
+        """How long a cycle waits for more requests after the first (a batch is cheaper than two)."""
+        self.max_context = engine.sampler.max_context
+        self.stop_token_ids = list(engine.stop_token_ids)
+        self._queue: queue.Queue = queue.Queue()
+        self.batches = 0
+        """Sample batches run (the benchmark reads how many requests shared them)."""
+        threading.Thread(target=self._loop, name="serve-compute", daemon=True).start()
+
+    # -- called from request handlers ------------------------------------------------------
+    def submit(self, request: SampleRequest) -> _Job:
+        job = _Job(request, Future())
+        self._queue.put(job)
+        return job
+
+    def run(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the compute thread between batches (adapter loads and drops)."""
+        fut: Future = Future()
+        self._queue.put((fn, fut))
+        return fut
+
+    def load(self, v: Version) -> str:
+        name = adapter_name(v)
+
+        def create() -> str:
+            e = self.engine
+            e.create(0, name, asdict(learner_config(v)), seed=0, base_name=_record_base(v))
+            # the first adapter wraps the base in a PeftModel; a decoder cached over the bare base
+            # (same base weights, so the same fingerprint) would not see any adapter
+            e.sampler.invalidate()
+            e.call(name, "load_state", path=str(v.path))
+            return name
+        return self.run(create).result()
+
+    def unload(self, name: str) -> None:
+        self.run(lambda: self.engine.drop(name)).result()
+
+    # -- the compute thread ----------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            items = [self._queue.get()]
+            deadline = time.monotonic() + self.window_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    items.append(self._queue.get(timeout=left))
+                except queue.Empty:
+                    break
+            jobs = [i for i in items if isinstance(i, _Job) and not i.cancelled and i.future.set_running_or_notify_cancel()]
+            for item in items:
+                if isinstance(item, tuple):  # an adapter op: between batches, never during one
+                    fn, fut = item
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:  # noqa: BLE001 - handed to the waiting handler
+                        fut.set_exception(e)
+            for chunk in _chunks(jobs, self.engine.cfg.max_rows):
+                try:
+                    out = self.engine.sampler.sample_requests([j.request for j in chunk])
+                    self.batches += 1
+                except BaseException as e:  # noqa: BLE001
+                    for j in chunk:
+                        j.future.set_exception(e)
+                    continue
+                for j, samples in zip(chunk, out):
+                    j.future.set_result(samples)
+
+
+class WorkerBackend:
+    """A running resident worker: one connection per loaded adapter (an adapter belongs to the
+    connection that created it), so concurrent requests of several adapters reach the worker at
+    once and its compute thread decodes them in one batch. The base is a fresh adapter, whose
+    LoRA B matrices are zero: exactly the base weights."""
+
+    def __init__(self, address: str):
+        from tinker_pipelines.worker.client import WorkerClient
+
+        self.address = address
+        probe = WorkerClient(address)
+        self.max_context = probe.info["max_context"]
+        self.stop_token_ids = list(probe.info["stop_token_ids"])
+        self.base_identity = probe.info["base"]
+        probe.close()
+        self._clients: dict[str, Any] = {}
+        self.batches = 0
+        self._base = f"serve-{id(self):x}-base"
+        self._create(self._base, LearnerConfig(mode="lora"), None)
+
+    def _create(self, name: str, lcfg: LearnerConfig, path: str | None) -> None:
+        from tinker_pipelines.worker.client import WorkerClient
+
+        client = WorkerClient(self.address)
+        client.request("create", name, name=name, learner=asdict(lcfg), seed=0, base_name="")
+        if path is not None:
+            client.request("call", name, adapter=name, what="load_state", kwargs={"path": path})
+        self._clients[name] = client
+
+    def load(self, v: Version) -> str:
+        name = f"{adapter_name(v)}-{id(self):x}"
+        self._create(name, learner_config(v), str(v.path.resolve()))
+        return name
+
+    def unload(self, name: str) -> None:
+        client = self._clients.pop(name, None)
+        if client is not None:
+            client.close()  # the worker drops an adapter with its connection
+
+    def submit(self, request: SampleRequest) -> _Job:
+        job = _Job(request, Future())
+        threading.Thread(target=self._sample, args=(job,), daemon=True).start()
+        return job
+
+    def _sample(self, job: _Job) -> None:
+        r = job.request
+        name = self._base if r.adapter == BASE else r.adapter
+        state = r.generator.get_state().numpy().tobytes() if r.generator is not None else None
+        try:
+            out = self._clients[name].request("sample", name, adapter=name, prompts=r.prompts,
+                                              max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                              generator_state=state)
+            if r.generator is not None:
+                r.generator.set_state(torch.frombuffer(bytearray(out["generator_state"]), dtype=torch.uint8))
+            self.batches += 1
+            job.future.set_result([Sample(tuple(t), tuple(lp), s) for t, lp, s in out["samples"]])
+        except BaseException as e:  # noqa: BLE001
+            job.future.set_exception(e)
+
+
+def _record_base(v: Version) -> str:
+    from tinker_pipelines.checkpoint import read_record
+
+    return read_record(v.path, verify=False).get("base_model") or ""
+
+
+def _chunks(jobs: list[_Job], max_rows: int) -> list[list[_Job]]:
+    out, cur, rows = [], [], 0
+    for j in jobs:
+        n = len(j.request.prompts)
+        if cur and rows + n > max_rows:
+            out.append(cur)
+            cur, rows = [], 0
+        cur.append(j)
+        rows += n
+    return out + ([cur] if cur else [])
+
+
+class AdapterCache:
+    """Loaded adapters by canonical key `MODEL/VERSION`, least recently used first."""
+
+    def __init__(self, backend, max_adapters: int):
+        self.backend, self.max_adapters = backend, max_adapters
+        self.loaded: collections.OrderedDict[str, tuple[str, Version]] = collections.OrderedDict()
+        self.in_use: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        self._loading: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
+
+    def acquire(self, key: str, fetch: Callable[[], Version]) -> tuple[str, Version]:
+        """The engine adapter of `key`, loaded on first use (`fetch` downloads and verifies it);
+        the caller must `release(key)` when its request ends."""
+        with self._loading[key]:  # two first requests for one version load it once
+            with self._lock:
+                if key in self.loaded:
+                    self.loaded.move_to_end(key)
+                    self.in_use[key] += 1
+                    return self.loaded[key]
+            v = fetch()
+            with self._lock:
+                idle = [k for k in self.loaded if not self.in_use[k]]
+                if len(self.loaded) >= self.max_adapters and not idle:
+                    raise ServingError(503, f"all {self.max_adapters} adapter slots hold versions with requests in "
+                                            f"flight; retry, or start the server with a larger --max-adapters",
+                                       "server_error", "model", "adapter_slots_busy")
+                evict = idle[: max(0, len(self.loaded) - self.max_adapters + 1)]
+                for k in evict:
+                    name, _ = self.loaded.pop(k)
+                    self.backend.unload(name)
+            name = self.backend.load(v)
+            with self._lock:
+                self.loaded[key] = (name, v)
+                self.in_use[key] += 1
+                return name, v
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            self.in_use[key] -= 1

@@ -63,7 +63,7 @@ def _run(args: list[str], nproc: int | None, timeout: float, cwd: Path | None = 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("zero") / "results.json"
-    _run([str(WORKER), str(out)], nproc=2, timeout=400)
+    _run([str(WORKER), str(out)], nproc=2, timeout=900)  # two ranks on 2 cores: minutes when the machine is busy
     return json.loads(out.read_text())
 
 
@@ -111,7 +111,7 @@ def test_cli_train_under_torchrun(tmp_path):
            "sft": {"steps": 10, "batch_size": 16, "examples": 64, "learning_rate": 3e-3},
            "eval": {"every": 2, "num_tasks": 8}}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    _run(["-m", "tinker_pipelines", "train", str(tmp_path / "cfg.yaml")], nproc=2, timeout=300)
+    _run(["-m", "tinker_pipelines", "train", str(tmp_path / "cfg.yaml")], nproc=2, timeout=600)
     lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in lines] == [-1, 0, 1]  # once each: only rank 0 appended
     assert any(m.get("informative_groups", 0) > 0 and "grad_norm" in m for m in lines)

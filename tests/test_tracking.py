@@ -109,3 +109,20 @@ def test_embedded_sqlite_store_is_wal_with_normal_sync(tracker, tmp_path):
         assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 1  # NORMAL
     with sa.create_engine(f"sqlite:///{tmp_path / 'other.db'}").connect() as conn:  # other files keep the default
         assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
+
+
+def test_setup_command_prints_the_runs_chart_link_of_the_experiment(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tinker_pipelines.tracking.home import TinkerHome
+
+    env = {**os.environ, "TINKER_HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, "-m", "tinker_pipelines.tracking"]
+    before = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    assert "appears after the first training run" in before
+    home = TinkerHome(tmp_path / "home")
+    t = Tracker(home.mlflow_uri, "tinker", str(home.mlflow_artifacts))
+    after = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    assert f"http://127.0.0.1:5000{experiment_ui_path(t.experiment_id)}" in after

@@ -236,6 +236,20 @@ def test_register_algorithm_refuses_a_taken_name():
     assert "mine" not in ALGORITHMS
 
 
+def test_register_algorithm_replaces_a_name_only_when_told():
+    from tinker_pipelines.algorithms.registry import ALGORITHMS, Algorithm, get_algorithm, register_algorithm
+
+    grpo = get_algorithm("grpo")
+    register_algorithm(Algorithm("mine_told", grpo.loss, "group_normalized", 2))
+    with pytest.raises(ValueError, match=r"under another name \(or pass overwrite=True\)"):
+        register_algorithm(Algorithm("mine_told", other_grpo_loss, "group_normalized", 2))
+    try:
+        register_algorithm(Algorithm("mine_told", other_grpo_loss, "group_normalized", 2), overwrite=True)
+        assert get_algorithm("mine_told").loss is other_grpo_loss
+    finally:
+        ALGORITHMS.pop("mine_told", None)
+
+
 # -- the S3 artifact store against a real S3-compatible server (moto's, as in test_s3.py) ---------
 
 @pytest.fixture(scope="module")

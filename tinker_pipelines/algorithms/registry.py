@@ -53,21 +53,22 @@ def _where(fn: object) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def register_algorithm(algorithm: Algorithm) -> Algorithm:
+def register_algorithm(algorithm: Algorithm, overwrite: bool = False) -> Algorithm:
     """Make `algorithm` available by name; returns it.
 
-    A name already taken by another loss is refused (`ValueError` naming both), since replacing
-    it would silently change what every config that names it trains. Registering the same
-    definition again (a module imported twice, a worker's `--import`) is allowed."""
+    A name already taken by another definition is refused (`ValueError` naming both) unless
+    `overwrite=True`, since replacing it silently would change what every config that names it
+    trains. Registering the same definition again (a module imported twice, a worker's
+    `--import`) is allowed."""
     if not isinstance(algorithm.name, str) or not algorithm.name:
         raise ValueError(f"an algorithm's name must be a non-empty string, got {algorithm.name!r}")
     if algorithm.advantages is not None and algorithm.advantages not in ADVANTAGES:
         raise ValueError(f"algorithm {algorithm.name!r}: unknown advantage estimator {algorithm.advantages!r}; "
                          f"known: {', '.join(sorted(ADVANTAGES))}")
     old = ALGORITHMS.get(algorithm.name)
-    if old is not None and _signature(old) != _signature(algorithm):
+    if old is not None and not overwrite and _signature(old) != _signature(algorithm):
         raise ValueError(f"algorithm name {algorithm.name!r} is already registered with loss {_where(old.loss)}; "
-                         f"register {_where(algorithm.loss)} under another name")
+                         f"register {_where(algorithm.loss)} under another name (or pass overwrite=True)")
     ALGORITHMS[algorithm.name] = algorithm
     return algorithm
 

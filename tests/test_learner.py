@@ -191,3 +191,30 @@ def test_two_adapters_share_one_base(tiny, tmp_path):
     a.activate()
     with torch.no_grad():
         assert torch.allclose(loaded(x).logits, a.model(x).logits, atol=1e-6)
+
+
+def test_non_finite_loss_drops_the_gradient_already_accumulated(tiny):
+    """A failed forward_backward must not leave its earlier micro-batches' gradient behind for the
+    next optim_step to apply."""
+    import math
+
+    import pytest
+    import torch
+
+    from tinker_pipelines.learner import Learner, LearnerConfig
+    from tinker_pipelines.types import Datum
+
+    model, tok = tiny
+    learner = Learner(model, LearnerConfig(mode="lora", micro_batch_size=1), tok.pad_token_id)
+    datums = [Datum(input_tokens=(5, 6, 7, 8), target_tokens=(6, 7, 8, 9), weights=(0.0, 1.0, 1.0, 1.0))
+              for _ in range(3)]
+    calls = []
+
+    def loss_fn(lp_BT, batch, cfg):
+        calls.append(1)
+        loss = -(lp_BT * batch.weights_BT).sum()
+        return (loss * math.nan if len(calls) == 3 else loss), {}
+
+    with pytest.raises(FloatingPointError, match="non-finite loss"):
+        learner.forward_backward(datums, loss_fn)
+    assert all(p.grad is None or not torch.any(p.grad) for p in learner.params)

@@ -318,6 +318,7 @@ class Learner:
             batch = loss_batch(padded.fields, ref_BT, values_BT)
             loss, metrics = loss_fn(lp_BT, batch, loss_cfg)
             if not torch.isfinite(loss):
+                self.optimizer.zero_grad(set_to_none=True)
                 raise FloatingPointError(f"non-finite loss {loss.item()} at learner step {self.steps}")
             # Token-weighted share, so micro-batching does not change the gradient of a token-mean.
             share = float(weights_BT.sum()) / total_w if loss_cfg.normalization == "token" else len(chunk) / len(datums)

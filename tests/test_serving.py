@@ -309,6 +309,43 @@ def test_a_version_whose_files_fail_their_hash_is_refused(instance, endpoint, cl
     assert f"{MODEL}/{v3}" not in [m.id for m in client.models.list().data]
 
 
+def test_a_version_trained_on_an_sft_warm_start_is_served_on_that_base(instance):
+    """Without --model the base is the one the version names: here its experiment's SFT warm
+    start in the artifact store, written as the `sft` asset writes it."""
+    exp_name, model = "serve-sft", registered_model_name("serve-sft")
+    cfg = {**CFG, "sft": {"steps": 1, "batch_size": 4, "examples": 8, "learning_rate": 3e-3}}
+    exp = Experiment(config_from_dict(cfg))
+    exp.sft()
+    store, t = _store(), tracker()
+    local = store.write_dir(f"{exp_name}/sft")
+    local.mkdir(parents=True, exist_ok=True)
+    exp.save_base(local)
+    store.put_dir(local, f"{exp_name}/sft")
+    exp.start_rl()
+    with torch.no_grad():
+        for name, p in exp.learner.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
+    with tempfile.TemporaryDirectory() as tmp:
+        record = exp.save(Path(tmp) / "a")
+        t.register_adapter(t.experiment_run(exp_name), model, Path(tmp) / "a", "adapters/iter_00000", tags={
+            "partition": f"{exp_name}:0", "content_hash": record["content_hash"], EXPERIMENT_TAG: exp_name,
+            **checks_tags([])})
+    server = build_server(ref=f"{model}/1", registry=Registry(t, store), device="cpu", dtype="float32")
+    thread = ServerThread(server)
+    try:
+        assert server.base_identity == str(store.local_dir(f"{exp_name}/sft").resolve())
+        c = openai.OpenAI(base_url=thread.url, api_key="x", max_retries=0)
+        got = c.completions.create(model=f"{model}/1", prompt=[[5, 6, 7]], max_tokens=6, temperature=0)
+        (s,) = exp.sampler().sample([[5, 6, 7]], 6, 0.0)
+        assert got.choices[0].text == server.text(s.tokens)[0]
+        with pytest.raises(openai.BadRequestError) as e:  # trained on tiny itself, not on this warm start
+            c.completions.create(model=f"{MODEL}/1", prompt="1", max_tokens=2)
+        assert e.value.code == "model_base_mismatch" and "tiny(num_layers=2,seed=3)" in str(e.value)
+    finally:
+        thread.stop()
+
+
 def test_tool_calls_in_responses():
     from tinker_pipelines.serving.protocol import tool_message
 

@@ -59,6 +59,8 @@ class EngineBackend:
         self._queue: queue.Queue = queue.Queue()
         self.batches = 0
         """Sample batches run (the benchmark reads how many requests shared them)."""
+        self.record: list[list[SampleRequest]] | None = None
+        """When a list, every batch's requests are appended to it (`benchmarks.serving` replays them)."""
         threading.Thread(target=self._loop, name="serve-compute", daemon=True).start()
 
     # -- called from request handlers ------------------------------------------------------
@@ -109,6 +111,8 @@ class EngineBackend:
                         fut.set_exception(e)
             for chunk in _chunks(jobs, self.engine.cfg.max_rows):
                 try:
+                    if self.record is not None:
+                        self.record.append([j.request for j in chunk])
                     out = self.engine.sampler.sample_requests([j.request for j in chunk])
                     self.batches += 1
                 except BaseException as e:  # noqa: BLE001

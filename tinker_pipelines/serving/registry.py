@@ -68,7 +68,7 @@ class Registry:
     store: Any
     cache_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="tinker-serve-")))
     alias_ttl_s: float = 5.0
-    """An alias is looked up again after this long, so a moved `champion` is followed."""
+    """A reference is looked up again after this long, so a moved `champion` is followed."""
     _aliases: dict[tuple[str, str], tuple[float, str]] = field(default_factory=dict)
 
     def resolve(self, ref: str) -> tuple[str, str]:
@@ -79,14 +79,14 @@ class Registry:
             raise model_not_found(ref, str(e)) from None
         from mlflow.exceptions import MlflowException
 
+        hit = self._aliases.get((name, version))
+        if hit is not None and time.monotonic() - hit[0] < self.alias_ttl_s:  # no registry query per request
+            return name, hit[1]
         try:
             if version.isdigit():
                 mv = self.tracker.client.get_model_version(name, version)
-                return name, str(mv.version)
-            hit = self._aliases.get((name, version))
-            if hit is not None and time.monotonic() - hit[0] < self.alias_ttl_s:
-                return name, hit[1]
-            mv = self.tracker.alias_version(name, version) if version else self.tracker.latest_version(name)
+            else:
+                mv = self.tracker.alias_version(name, version) if version else self.tracker.latest_version(name)
         except MlflowException:
             mv = None
         if mv is None:
@@ -94,8 +94,7 @@ class Registry:
                 raise model_not_found(ref, f"registered model {name!r} does not exist or has no versions")
             what = f"version {version}" if version.isdigit() else f"alias {version!r}"
             raise model_not_found(ref, f"registered model {name!r} has no {what}")
-        if version:
-            self._aliases[(name, version)] = (time.monotonic(), str(mv.version))
+        self._aliases[(name, version)] = (time.monotonic(), str(mv.version))
         return name, str(mv.version)
 
     def fetch(self, name: str, version: str) -> Version:

@@ -110,6 +110,10 @@ def test_defaults_are_plain_sampling_bit_for_bit():
     a = sample_tokens(logits, 0.7, uniforms_B=u)
     b = sample_tokens(logits, 0.7, uniforms_B=u, top_k=0, top_p=1.0, min_p=0.0)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    lp = torch.log_softmax(logits / 0.7, dim=-1)  # the formula before truncation existed
+    cdf = lp.exp().cumsum(dim=-1)
+    old = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(1).clamp(max=299)
+    assert torch.equal(a[0], old) and torch.equal(a[1], lp.gather(1, old[:, None]).squeeze(1))
     targets = torch.randint(0, 300, (2, 8), generator=g)
     logits_BKV = torch.randn(2, 8, 300, generator=g)
     plain = torch.log_softmax(logits_BKV / 0.7, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
@@ -311,6 +315,8 @@ def test_config_values_reach_the_sampler_and_learner():
     lr = exp.start_rl()
     assert (lr.cfg.top_k, lr.cfg.top_p, lr.cfg.min_p) == (7, 0.9, 0.01)
     assert exp.sampler().tokenizer is exp.tokenizer
+    dpo = Experiment(config_from_dict({"algorithm": {"name": "dpo"}, "training": {"top_p": 0.9, "group_size": 2}}))
+    assert dpo.rollout_cfg.top_p == 0.9 and dpo.start_rl().cfg.top_p == 1.0  # DPO's loss: the untruncated model
     assert config_from_dict({}).training.stop == [] and Experiment(config_from_dict({})).rollout_cfg.sampling_kwargs() == {}
 
 

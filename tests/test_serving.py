@@ -346,6 +346,27 @@ def test_a_version_trained_on_an_sft_warm_start_is_served_on_that_base(instance)
         thread.stop()
 
 
+def test_served_from_a_resident_worker_the_tokens_are_the_same(instance, endpoint, client, tmp_path):
+    from tinker_pipelines.worker.client import start_worker
+
+    sock = tmp_path / "w.sock"
+    proc = start_worker("tiny", sock, device="cpu", log=tmp_path / "log",
+                        extra=["--seed", "3", "--model-kwargs", '{"num_layers": 2}', "--threads", "1"])
+    try:
+        server = build_server(worker=str(sock), registry=Registry(tracker(), _store()))
+        thread = ServerThread(server)
+        c = openai.OpenAI(base_url=thread.url, api_key="x", max_retries=0)
+        for model in (f"{MODEL}/1", f"{MODEL}@champion", "base"):
+            req = {"model": model, "messages": Q, "max_tokens": 6, "temperature": 0, "stop": ["\n\n\n"]}
+            expected = client.chat.completions.create(**{**req, "model": endpoint[0].base_name if model == "base"
+                                                          else model}).choices[0].message.content
+            assert c.chat.completions.create(**req).choices[0].message.content == expected, model
+        thread.stop()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
 def test_tool_calls_in_responses():
     from tinker_pipelines.serving.protocol import tool_message
 

@@ -141,20 +141,24 @@ class WorkerBackend:
         self._clients: dict[str, Any] = {}
         self.batches = 0
         self._base = f"serve-{id(self):x}-base"
-        self._create(self._base, LearnerConfig(mode="lora"), None)
+        self._create(self._base, LearnerConfig(mode="lora"), None, "")
 
-    def _create(self, name: str, lcfg: LearnerConfig, path: str | None) -> None:
+    def _create(self, name: str, lcfg: LearnerConfig, path: str | None, base_name: str) -> None:
         from tinker_pipelines.worker.client import WorkerClient
 
         client = WorkerClient(self.address)
-        client.request("create", name, name=name, learner=asdict(lcfg), seed=0, base_name="")
-        if path is not None:
-            client.request("call", name, adapter=name, what="load_state", kwargs={"path": path})
+        try:
+            client.request("create", name, name=name, learner=asdict(lcfg), seed=0, base_name=base_name)
+            if path is not None:
+                client.request("call", name, adapter=name, what="load_state", kwargs={"path": path})
+        except BaseException:
+            client.close()  # the worker drops the half-made adapter with the connection
+            raise
         self._clients[name] = client
 
     def load(self, v: Version) -> str:
         name = f"{adapter_name(v)}-{id(self):x}"
-        self._create(name, learner_config(v), str(v.path.resolve()))
+        self._create(name, learner_config(v), str(v.path.resolve()), _record_base(v))
         return name
 
     def unload(self, name: str) -> None:
@@ -174,11 +178,12 @@ class WorkerBackend:
         try:
             out = self._clients[name].request("sample", name, adapter=name, prompts=r.prompts,
                                               max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                              generator_state=state)
+                                              generator_state=state, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p,
+                                              stop=list(r.stop))
             if r.generator is not None:
                 r.generator.set_state(torch.frombuffer(bytearray(out["generator_state"]), dtype=torch.uint8))
             self.batches += 1
-            job.future.set_result([Sample(tuple(t), tuple(lp), s) for t, lp, s in out["samples"]])
+            job.future.set_result([Sample(tuple(t), tuple(lp), r, *rest) for t, lp, r, *rest in out["samples"]])
         except BaseException as e:  # noqa: BLE001
             job.future.set_exception(e)
 

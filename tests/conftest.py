@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import socket
 
 import pytest
 import torch
@@ -22,3 +24,28 @@ def tiny(_tiny_pristine):
     """(model, tokenizer): a fresh copy of the tiny model for each test."""
     model, tokenizer = _tiny_pristine
     return copy.deepcopy(model), tokenizer
+
+
+@contextlib.contextmanager
+def moto_s3(bucket: str):
+    """A real S3-compatible server (moto's) on a free loopback port, test credentials in the
+    environment and `bucket` created; yields the endpoint URL."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    mp = pytest.MonkeyPatch()
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        mp.setenv(k, v)
+    url = f"http://127.0.0.1:{port}"
+    boto3.client("s3", endpoint_url=url).create_bucket(Bucket=bucket)
+    try:
+        yield url
+    finally:
+        mp.undo()
+        server.stop()

@@ -3,9 +3,9 @@ algorithm or the bucket; each test is a row of docs/bad_input.md (the command li
 test_cli_errors.py)."""
 
 import math
-import socket
 
 import pytest
+from conftest import moto_s3
 import torch
 
 from tinker_pipelines.config import ConfigError, config_from_dict, load_config
@@ -254,23 +254,8 @@ def test_register_algorithm_replaces_a_name_only_when_told():
 
 @pytest.fixture(scope="module")
 def s3_url():
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    mp = pytest.MonkeyPatch()
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        mp.setenv(k, v)
-    url = f"http://127.0.0.1:{port}"
-    boto3.client("s3", endpoint_url=url).create_bucket(Bucket="bad-input")
-    yield url
-    mp.undo()
-    server.stop()
+    with moto_s3("bad-input") as url:
+        yield url
 
 
 def test_s3_bucket_that_does_not_exist(s3_url, tmp_path):

@@ -3,11 +3,11 @@ a store round trip, and RL iterations whose rollouts and adapters live only in S
 
 from __future__ import annotations
 
-import socket
 
 import boto3
 import dagster as dg
 import pytest
+from conftest import moto_s3
 from dagster_env import NO_SFT, materializations, metadata, tinker_home
 
 from assets.jobs import rl
@@ -23,22 +23,8 @@ BUCKET = "tinker-test"
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    mp = pytest.MonkeyPatch()
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        mp.setenv(k, v)
-    url = f"http://127.0.0.1:{port}"
-    boto3.client("s3", endpoint_url=url).create_bucket(Bucket=BUCKET)
-    yield url
-    mp.undo()
-    server.stop()
+    with moto_s3(BUCKET) as url:
+        yield url
 
 
 def test_s3_store_round_trip(s3_endpoint, tmp_path):

@@ -35,13 +35,19 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _flat_json(d: dict[str, Any]) -> dict[str, Any]:
+    """Dotted names -> values as they read back from a record (tuples as lists)."""
+    return _flat(json.loads(json.dumps(d, default=str)))
+
+
 def config_differences(saved: dict[str, Any], cfg: Config) -> list[str]:
     """The fields (dotted names) where `cfg` differs from a checkpoint's recorded config,
     leaving out those a resume may change."""
-    now = _flat(json.loads(json.dumps(config_to_dict(cfg), default=str)))
-    then = _flat(json.loads(json.dumps(saved, default=str)))
-    keys = sorted(set(now) | set(then))
-    return [k for k in keys if now.get(k) != then.get(k) and k not in RESUMABLE_CHANGES
+    return _differences(_flat_json(saved), _flat_json(config_to_dict(cfg)))
+
+
+def _differences(then: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    return [k for k in sorted(set(now) | set(then)) if now.get(k) != then.get(k) and k not in RESUMABLE_CHANGES
             and not any(k.startswith(p + ".") for p in RESUMABLE_CHANGES)]
 
 
@@ -50,15 +56,16 @@ def checkpoint_dirs(out: str | Path) -> list[Path]:
     return sorted((Path(out) / CHECKPOINTS).glob("iter_*"))
 
 
-def latest_complete(out: str | Path) -> tuple[Path | None, list[Path]]:
-    """The newest checkpoint whose files match its record, and the newer ones that do not
-    (partial or corrupt: never resumed from)."""
+def latest_complete(out: str | Path) -> tuple[Path | None, dict[str, Any] | None, list[tuple[Path, str]]]:
+    """The newest checkpoint whose files match its record, that record, and the newer ones
+    that do not (partial or corrupt: never resumed from) with why; each is verified once."""
     skipped = []
     for d in reversed(checkpoint_dirs(out)):
-        if is_complete(d):
-            return d, skipped
-        skipped.append(d)
-    return None, skipped
+        try:
+            return d, read_record(d, verify=True), skipped
+        except CheckpointError as e:
+            skipped.append((d, str(e)))
+    return None, None, skipped
 
 
 def check_fresh(out: str | Path) -> None:
@@ -79,13 +86,13 @@ def clear_run(out: str | Path) -> None:
     (out / METRICS).unlink(missing_ok=True)
 
 
-def check_resumable(path: Path, cfg: Config) -> dict[str, Any]:
-    """The record of checkpoint `path` after checking it was made with this config."""
-    record = read_record(path, verify=True)
-    diff = config_differences(record.get("config", {}), cfg)
+def check_resumable(path: Path, cfg: Config, record: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The record of checkpoint `path` (read and verified unless given) after checking it was
+    made with this config."""
+    record = read_record(path, verify=True) if record is None else record
+    then, now = _flat_json(record.get("config", {})), _flat_json(config_to_dict(cfg))
+    diff = _differences(then, now)
     if diff:
-        then = _flat(record.get("config", {}))
-        now = _flat(json.loads(json.dumps(config_to_dict(cfg), default=str)))
         shown = ", ".join(f"{k} ({then.get(k)!r} -> {now.get(k)!r})" for k in diff[:4])
         more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
         raise CheckpointError(f"checkpoint {path} was made with another config: {shown}{more}; resume with the "
@@ -143,24 +150,16 @@ def prepare_resume(out: str | Path, cfg: Config) -> Path | None:
         remove_partial(ckpt_dir, "iter_")
     if Path(out).is_dir():
         remove_partial(out, "sft")
-    latest, skipped = latest_complete(out)
+    latest, record, skipped = latest_complete(out)
     if latest is None and skipped:
-        raise CheckpointError(f"no complete checkpoint in {ckpt_dir}: {', '.join(p.name for p in skipped[:3])} "
-                              f"failed verification ({_why(skipped[0])})")
-    for bad in skipped:  # newer than the one resumed from: the loop writes them again
-        warnings.warn(f"skipping {bad}: {_why(bad)}", stacklevel=2)
+        raise CheckpointError(f"no complete checkpoint in {ckpt_dir}: {', '.join(p.name for p, _ in skipped[:3])} "
+                              f"failed verification ({skipped[0][1]})")
+    for bad, why in skipped:  # newer than the one resumed from: the loop writes them again
+        warnings.warn(f"skipping {bad}: {why}", stacklevel=2)
     if latest is None:
         return None
-    check_resumable(latest, cfg)
+    check_resumable(latest, cfg, record)
     return latest
-
-
-def _why(path: Path) -> str:
-    try:
-        read_record(path, verify=True)
-        return "ok"
-    except CheckpointError as e:
-        return str(e)
 
 
 def append_metrics(path: str | Path, metrics: dict[str, float]) -> None:

@@ -218,3 +218,32 @@ def test_non_finite_loss_drops_the_gradient_already_accumulated(tiny):
     with pytest.raises(FloatingPointError, match="non-finite loss"):
         learner.forward_backward(datums, loss_fn)
     assert all(p.grad is None or not torch.any(p.grad) for p in learner.params)
+
+
+def _sft_grad(model, tok, datums, micro_batch_size):
+    learner = Learner(copy.deepcopy(model), LearnerConfig(mode="full", micro_batch_size=micro_batch_size),
+                      tok.pad_token_id)
+    learner.forward_backward(datums, get_algorithm("sft").loss)
+    return torch.cat([p.grad.flatten() for p in learner.params])
+
+
+def test_sft_gradient_is_a_token_mean_whatever_the_micro_batch_size(tiny):
+    """SFT is a mean over every trained token of the batch: a one-token reply weighs one token,
+    not as much as a reply of forty, however the batch is split into micro-batches."""
+    model, tok = tiny
+    replies = ["4", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20", "yes", "the answer is 12 plus 7"]
+    datums = [sft_datum(tok, [{"role": "user", "content": f"question {i}"}], r) for i, r in enumerate(replies)]
+    lengths = [sum(d.weights) for d in datums]
+    assert max(lengths) > 10 * min(lengths)
+    # by hand: summed token logprobs of each datum over the batch's total token count
+    hand = copy.deepcopy(model)
+    nll = 0.0
+    for d in datums:
+        logits_T = hand(input_ids=torch.tensor([d.input_tokens])).logits[0]
+        lp_T = torch.log_softmax(logits_T.float(), -1).gather(-1, torch.tensor(d.target_tokens)[:, None])[:, 0]
+        nll = nll - (lp_T * torch.tensor(d.weights)).sum()
+    (nll / sum(lengths)).backward()
+    expected = torch.cat([p.grad.flatten() for p in hand.parameters()])
+    for mb in (1, 2, len(datums)):
+        got = _sft_grad(model, tok, datums, mb)
+        assert ((got - expected).norm() / expected.norm()).item() < 1e-6, mb  # fp32 rounding only

@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from tinker_pipelines import checkpoint as ckpt
-from tinker_pipelines.algorithms.losses import LossConfig, LossFn
+from tinker_pipelines.algorithms.losses import LossConfig, LossFn, loss_normalization, micro_batch_share
 from tinker_pipelines.learner import VALUE_HEAD_FILE, Learner, LearnerConfig, ValueHead, _Padded, loss_batch, pad_datums
 from tinker_pipelines.prefix_sharing import plan_prefix_sharing, supports_prefix_sharing
 from tinker_pipelines.types import Datum
@@ -209,8 +209,8 @@ class DeepSpeedLearner(Learner):
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss {loss.item()} at learner step {self.steps}")
             # The plain learner's share of the whole batch; x world because DeepSpeed averages ranks.
-            share = 0.0 if padding else (float(weights_BT.sum()) / total_w if loss_cfg.normalization == "token"
-                                         else len(chunk) / len(datums))
+            share = 0.0 if padding else micro_batch_share(loss_normalization(loss_fn, loss_cfg),
+                                                          float(weights_BT.sum()), total_w, len(chunk), len(datums))
             self.engine.backward(loss * (share * self.world))
             for k, v in {"loss": loss.item(), **metrics}.items():
                 totals[k] = totals.get(k, 0.0) + v * share

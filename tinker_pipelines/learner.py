@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from tinker_pipelines import checkpoint as ckpt
-from tinker_pipelines.algorithms.losses import LossBatch, LossConfig, LossFn
+from tinker_pipelines.algorithms.losses import LossBatch, LossConfig, LossFn, loss_normalization, micro_batch_share
 from tinker_pipelines.prefix_sharing import (PrefixPlan, plan_prefix_sharing, shared_prefix_forward,
                                              supports_prefix_sharing)
 from tinker_pipelines.rollout.truncation import check_params, target_logprobs
@@ -308,7 +308,7 @@ class Learner:
         self.activate()
         total_w = sum(sum(d.weights) for d in datums)
         totals: dict[str, float] = {}
-        mb = self.cfg.micro_batch_size
+        mb, normalization = self.cfg.micro_batch_size, loss_normalization(loss_fn, loss_cfg)
         for start in range(0, len(datums), mb):
             chunk = datums[start:start + mb]
             padded = pad_datums(chunk, self.pad_token_id, self.device)
@@ -320,8 +320,8 @@ class Learner:
             if not torch.isfinite(loss):
                 self.optimizer.zero_grad(set_to_none=True)
                 raise FloatingPointError(f"non-finite loss {loss.item()} at learner step {self.steps}")
-            # Token-weighted share, so micro-batching does not change the gradient of a token-mean.
-            share = float(weights_BT.sum()) / total_w if loss_cfg.normalization == "token" else len(chunk) / len(datums)
+            # so that micro-batching does not change the gradient of the whole batch's loss
+            share = micro_batch_share(normalization, float(weights_BT.sum()), total_w, len(chunk), len(datums))
             (loss * share).backward()
             for k, v in {"loss": loss.item(), **metrics}.items():
                 totals[k] = totals.get(k, 0.0) + v * share

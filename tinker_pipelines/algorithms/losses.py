@@ -67,6 +67,35 @@ class LossConfig:
 LossFn = Callable[[torch.Tensor, LossBatch, LossConfig], tuple[torch.Tensor, dict[str, float]]]
 
 
+def fixed_normalization(normalization: str) -> Callable[[LossFn], LossFn]:
+    """Declare that a loss averages by `normalization` whatever `LossConfig.normalization` says
+    (SFT: 'token'; Dr. GRPO: 'constant'), so that the learner weighs its micro-batches by the
+    same measure (`loss_normalization`)."""
+    def mark(fn: LossFn) -> LossFn:
+        setattr(fn, "normalization", normalization)
+        return fn
+    return mark
+
+
+def loss_normalization(loss_fn: LossFn, cfg: LossConfig) -> str:
+    """How `loss_fn` averages over a batch: its fixed normalization, else `cfg.normalization`."""
+    return getattr(loss_fn, "normalization", None) or cfg.normalization
+
+
+def micro_batch_share(normalization: str, chunk_weight: float, total_weight: float, chunk_rows: int,
+                      total_rows: int) -> float:
+    """What a micro-batch's loss is scaled by so that the micro-batches' gradients add up to the
+    whole batch's: its share of the weighted tokens under a token mean, of the rows otherwise (a
+    mean over sequences or pairs, or a sum over a constant per row).
+
+    >>> micro_batch_share("token", 3.0, 12.0, 1, 2), micro_batch_share("sequence", 3.0, 12.0, 1, 2)
+    (0.25, 0.5)
+    """
+    if normalization == "token":
+        return chunk_weight / total_weight if total_weight else 0.0
+    return chunk_rows / total_rows
+
+
 def masked_mean(x_BT: torch.Tensor, w_BT: torch.Tensor, normalization: str = "token",
                 max_tokens: int | None = None) -> torch.Tensor:
     """Weighted mean, over all tokens or per sequence then over sequences; or ('constant') the
@@ -128,8 +157,10 @@ def _with_kl(loss: torch.Tensor, logprobs_BT: torch.Tensor, batch: LossBatch, cf
     return loss + cfg.kl_coef * kl if cfg.kl_coef else loss
 
 
+@fixed_normalization("token")
 def sft_loss(logprobs_BT: torch.Tensor, batch: LossBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """Cross-entropy on the weighted tokens (mean over tokens)."""
+    """Cross-entropy on the weighted tokens: a mean over every trained token of the batch, so a
+    long reply weighs as many tokens as it has (`cfg.normalization` does not apply)."""
     nll = -masked_mean(logprobs_BT, batch.weights_BT, "token")
     return nll, {"nll": nll.item()}
 
@@ -215,6 +246,7 @@ def grpo_loss(logprobs_BT: torch.Tensor, batch: LossBatch, cfg: LossConfig) -> t
     return _with_kl(loss, logprobs_BT, batch, cfg, metrics), metrics
 
 
+@fixed_normalization("constant")
 def dr_grpo_loss(logprobs_BT: torch.Tensor, batch: LossBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training"): GRPO without its two
     biases. Advantages are group-centred, not divided by the group's std (the registry pairs

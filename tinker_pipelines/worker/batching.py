@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from tinker_pipelines.algorithms.losses import LossConfig, LossFn
+from tinker_pipelines.algorithms.losses import LossConfig, LossFn, loss_normalization, micro_batch_share
 from tinker_pipelines.learner import Learner, loss_batch, pad_datums
 from tinker_pipelines.prefix_sharing import PrefixPlan, plan_prefix_sharing, supports_prefix_sharing
 from tinker_pipelines.types import Datum
@@ -191,8 +191,8 @@ def _one_pass(model: torch.nn.Module, lead: Learner, members: list[tuple[FBJob, 
         if not torch.isfinite(loss):
             job.error = FloatingPointError(f"non-finite loss {loss.item()} at learner step {job.learner.steps}")
             continue
-        share = (float(f["weights"].sum()) / job.total_w if job.loss_cfg.normalization == "token"
-                 else (e - s) / len(job.datums))
+        share = micro_batch_share(loss_normalization(job.loss_fn, job.loss_cfg), float(f["weights"].sum()),
+                                  job.total_w, e - s, len(job.datums))
         total = loss * share if total is None else total + loss * share
         for k, v in {"loss": loss.item(), **metrics}.items():
             job.totals[k] = job.totals.get(k, 0.0) + v * share

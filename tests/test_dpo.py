@@ -177,6 +177,51 @@ def test_odd_micro_batch_is_rounded_so_pairs_stay_whole(sft_start):
     assert torch.allclose(grads[0][1], grads[1][1], atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_dpo_logprobs_are_the_models_own_at_any_sampling_temperature(tiny, mode):
+    """Pairs are sampled at training.temperature, but DPO compares the policy's and the
+    reference's likelihoods of them: log_softmax(logits), at temperature 1, for both."""
+    from tinker_pipelines.datums import sft_datum
+
+    model, tok = tiny
+    cfg = config_from_dict({**DPO_SMALL, "sft": {"steps": 0},
+                            "training": {**DPO_SMALL["training"], "mode": mode, "temperature": 0.5}})
+    exp = Experiment(cfg, model=model, tokenizer=tok)
+    assert exp.rollout_cfg.temperature == 0.5  # the pairs' rollouts still sample at 0.5
+    learner = exp.start_rl()
+    torch.manual_seed(0)
+    for p in learner.params:
+        p.data.add_(torch.randn_like(p) * 0.02)  # the policy now differs from the reference
+    msgs = [{"role": "user", "content": "2 + 3 = ?"}]
+    datums = [sft_datum(tok, msgs, reply) for reply in ("5", "the answer is 7")]
+    seen = {}
+
+    def spy(logprobs_BT, batch, loss_cfg):
+        seen["policy_B"] = (logprobs_BT * batch.weights_BT).sum(-1).detach()
+        seen["reference_B"] = (batch.ref_logprobs_BT * batch.weights_BT).sum(-1)
+        return exp.algorithm.loss(logprobs_BT, batch, loss_cfg)
+
+    learner.forward_backward(datums, spy, LossConfig(beta=0.1))
+    padded = pad_datums(datums, tok.pad_token_id)
+
+    def sequence_logprobs_B(net):
+        with torch.no_grad():
+            logits_BTV = net(input_ids=padded.inputs_BT, attention_mask=padded.mask_BT).logits
+        lp_BT = torch.log_softmax(logits_BTV.float(), -1).gather(-1, padded.targets_BT[..., None]).squeeze(-1)
+        return (lp_BT * padded.fields["weights"]).sum(-1)
+
+    learner.activate()
+    policy_B = sequence_logprobs_B(learner.model)
+    if mode == "lora":
+        with learner.model.disable_adapter():
+            reference_B = sequence_logprobs_B(learner.model)
+    else:
+        reference_B = sequence_logprobs_B(learner.reference)
+    assert (policy_B - reference_B).abs().max() > 1e-2
+    assert torch.allclose(seen["policy_B"], policy_B, atol=1e-4)
+    assert torch.allclose(seen["reference_B"], reference_B, atol=1e-4)
+
+
 # -- the plain loop and the Dagster job ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def dpo_job_run():

@@ -170,9 +170,11 @@ class Experiment:
         # A pairwise loss sees whole (chosen, rejected) pairs only: micro-batches hold an even count.
         mb = max(2, t.micro_batch_size - t.micro_batch_size % 2) if self.algorithm.pairwise else t.micro_batch_size
         lcfg = LearnerConfig(mode=t.mode, learning_rate=t.learning_rate, lora_rank=t.lora_rank,
-                             lora_alpha=t.lora_alpha, grad_clip=t.grad_clip, temperature=t.temperature,
-                             # the RL losses see the truncated sampling distribution; DPO's is the model's own
-                             **({} if self.algorithm.pairwise else dict(top_k=t.top_k, top_p=t.top_p, min_p=t.min_p)),
+                             lora_alpha=t.lora_alpha, grad_clip=t.grad_clip,
+                             # the RL losses see the sampling distribution (temperature, truncation); DPO
+                             # compares the model's own (temperature 1) under the policy and the reference
+                             **({} if self.algorithm.pairwise else dict(temperature=t.temperature, top_k=t.top_k,
+                                                                       top_p=t.top_p, min_p=t.min_p)),
                              micro_batch_size=mb, share_prefix=t.share_prefix,
                              needs_reference=self.cfg.algorithm.kl_coef > 0 or self.algorithm.needs_reference,
                              value_head=self.algorithm.value_head,

@@ -247,3 +247,43 @@ def test_sft_gradient_is_a_token_mean_whatever_the_micro_batch_size(tiny):
     for mb in (1, 2, len(datums)):
         got = _sft_grad(model, tok, datums, mb)
         assert ((got - expected).norm() / expected.norm()).item() < 1e-6, mb  # fp32 rounding only
+
+
+def _untied(model):
+    from transformers import LlamaForCausalLM
+
+    config = copy.deepcopy(model.config)
+    config.tie_word_embeddings = False
+    torch.manual_seed(0)
+    untied = LlamaForCausalLM(config).eval()
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+    return untied
+
+
+def test_missing_untied_output_layer_is_an_error(tiny, tmp_path):
+    """Only a tied output layer may be absent from a full checkpoint: an untied one missing would
+    leave the loaded model with whatever output layer it had."""
+    from safetensors.torch import load_file, save_file
+
+    from tinker_pipelines import checkpoint as ckpt
+
+    model, tok = tiny
+    untied = _untied(model)
+    learner = Learner(untied, LearnerConfig(mode="full"), tok.pad_token_id)
+    record = learner.save_state(tmp_path / "ck")
+    weights = tmp_path / "ck" / "model.safetensors"
+    state = load_file(str(weights))
+    del state["lm_head.weight"]
+    save_file(state, str(weights), metadata={"format": "pt"})
+    # re-hash, so the missing tensor, not a changed file, is what loading finds
+    ckpt.write_record(tmp_path / "ck", {k: v for k, v in record.items() if k not in ("content_hash", "files")})
+    fresh = Learner(_untied(model), LearnerConfig(mode="full"), tok.pad_token_id)
+    with pytest.raises(ckpt.CheckpointError, match=r"no tensor 'lm_head\.weight' in model\.safetensors"):
+        fresh.load_state(tmp_path / "ck")
+    assert learner.verify_checkpoint(tmp_path / "ck", [1, 2, 3])["missing"] == ["lm_head.weight"]
+    # a tied model's checkpoint leaves lm_head.weight out and loads
+    tied = Learner(model, LearnerConfig(mode="full"), tok.pad_token_id)
+    tied.save_state(tmp_path / "tied")
+    assert "lm_head.weight" not in load_file(str(tmp_path / "tied" / "model.safetensors"))
+    Learner(copy.deepcopy(model), LearnerConfig(mode="full"), tok.pad_token_id).load_state(tmp_path / "tied")
+    assert tied.verify_checkpoint(tmp_path / "tied", [1, 2, 3])["missing"] == []

@@ -162,6 +162,42 @@ def read_record(path: str | Path, verify: bool = True) -> dict[str, Any]:
     return record
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Each parameter name that is another's very tensor -> that first name (a tied output layer:
+    `lm_head.weight` is `model.embed_tokens.weight` when the config ties them). `save_pretrained`
+    writes one tensor per tie, so only these may be absent from a full checkpoint."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def state_fit(loaded: set[str], wanted: set[str], aliases: dict[str, str]) -> tuple[list[str], list[str]]:
+    """(keys of `wanted` that `loaded` lacks, keys of `loaded` the model does not have), where a
+    tied alias (`tied_aliases`) is loaded when its first name is and is never unexpected.
+
+    >>> state_fit({"embed.weight"}, {"embed.weight", "lm_head.weight"}, {"lm_head.weight": "embed.weight"})
+    ([], [])
+    >>> state_fit({"embed.weight", "extra"}, {"embed.weight", "lm_head.weight"}, {})
+    (['lm_head.weight'], ['extra'])
+    """
+    have = loaded | {alias for alias, name in aliases.items() if name in loaded}
+    return sorted(wanted - have), sorted(loaded - wanted - set(aliases))
+
+
+def misfit_message(path: Path, files: list[Path], missing: list[str], unexpected: list[str]) -> str:
+    """What a full checkpoint that does not fit the model lacks or has too much, naming its files."""
+    names = ", ".join(f.name for f in files) or "(no model*.safetensors)"
+    parts = [f"no tensor {', '.join(map(repr, missing[:3]))} in {names} (this model does not tie it to "
+             "another weight, so it must be saved)"] if missing else []
+    parts += [f"{', '.join(map(repr, unexpected[:3]))} in {names} is not a weight of this model"] if unexpected else []
+    return f"checkpoint {path} does not fit the model: " + "; ".join(parts)
+
+
 def load_torch_file(path: str | Path, map_location: Any = None) -> Any:
     """`torch.load` of a checkpoint's `.pt` file with `weights_only=True`: tensors and plain data
     only. Anything else (a pickled object, whose loading would run code) is refused as a

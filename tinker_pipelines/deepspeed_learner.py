@@ -355,13 +355,13 @@ class DeepSpeedLearner(Learner):
         if self.value_head is not None and not (path / VALUE_HEAD_FILE).exists():
             raise ValueError(f"checkpoint {path} has no {VALUE_HEAD_FILE}, but this learner trains a value head")
         state: dict[str, torch.Tensor] = {}
-        for f in sorted(path.glob("model*.safetensors")):
+        files = sorted(path.glob("model*.safetensors"))
+        for f in files:
             state.update(load_file(str(f)))
-        names = [n for n, _ in self._trained.policy.named_parameters()]
-        missing, unexpected = [n for n in names if n not in state], sorted(set(state) - set(names))
-        unexpected = [n for n in unexpected if not n.endswith("lm_head.weight")]  # tied to the embeddings
+        names = [n for n, _ in self._trained.policy.named_parameters()]  # one name per tie
+        missing, unexpected = ckpt.state_fit(set(state), set(names), ckpt.tied_aliases(self._trained.policy))
         if missing or unexpected:
-            raise ValueError(f"checkpoint {path} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+            raise ckpt.CheckpointError(ckpt.misfit_message(path, files, missing, unexpected))
         values = [state[n] for n in names]
         if self.value_head is not None:
             head = load_file(str(path / VALUE_HEAD_FILE))

@@ -382,8 +382,7 @@ class Learner:
             loaded.update({f"value_head.{k}": v for k, v in load_file(str(path / VALUE_HEAD_FILE)).items()})
             if self.value_head is not None:
                 resident.update({f"value_head.{k}": v for k, v in self.value_head.state_dict().items()})
-        missing = sorted(set(resident) - set(loaded) - {"lm_head.weight"})  # a tied output layer is not saved
-        unexpected = sorted(set(loaded) - set(resident))
+        missing, unexpected = ckpt.state_fit(set(loaded), set(resident), ckpt.tied_aliases(self.model))
         differ = sorted(k for k in set(loaded) & set(resident) if not torch.equal(loaded[k], resident[k].cpu()))
         self.activate()
         ids = torch.tensor([probe_tokens[:32] or [0]], device=self.device)
@@ -422,13 +421,14 @@ class Learner:
                                                             device=str(self.device)),
                                       adapter_name=self.adapter_name)
         else:
-            state = {}
-            for f in sorted(path.glob("model*.safetensors")):
+            state, files = {}, sorted(path.glob("model*.safetensors"))
+            for f in files:
                 state.update(load_file(str(f), device=str(self.device)))
-            missing, unexpected = self.model.load_state_dict(state, strict=False)
-            if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
-                raise ckpt.CheckpointError(f"checkpoint {path} does not fit the model: missing {missing[:3]}, "
-                                           f"unexpected {unexpected[:3]}")
+            missing, unexpected = ckpt.state_fit(set(state), set(self.model.state_dict()),
+                                                 ckpt.tied_aliases(self.model))
+            if missing or unexpected:
+                raise ckpt.CheckpointError(ckpt.misfit_message(path, files, missing, unexpected))
+            self.model.load_state_dict(state, strict=False)  # strict would want both names of a tie
         opt = ckpt.load_torch_file(path / "optimizer.pt", map_location=self.device)
         self.optimizer.load_state_dict(opt["optimizer"])
         self.steps = opt["steps"]

@@ -19,6 +19,7 @@ from assets.run_config import RLConfig
 from assets.sft import sft_checkpoint
 from resources import ArtifactStoreResource, MLflowResource
 from tinker_pipelines.algorithms.registry import get_algorithm
+from tinker_pipelines.bases import base_tags
 from tinker_pipelines.config import Config
 from tinker_pipelines.dpo import pair_metrics, preference_pairs as sample_pairs, run_dpo
 from tinker_pipelines.preferences import summarize_pairs
@@ -122,7 +123,8 @@ def dpo_checkpoint(context: dg.AssetExecutionContext, artifact_store: ArtifactSt
         run_id, model_name, local, "adapters/dpo",
         tags={"dagster_run_id": context.run.run_id, "partition": name, "content_hash": record["content_hash"],
               "tinker.experiment": name, "algorithm": cfg.algorithm.name, "store_uri": uri,
-              "preference_pairs": store.uri(pairs_key(name)), **checks_tags(checks.failed(results))})
+              "preference_pairs": store.uri(pairs_key(name)), **base_tags(tracker, name, record),
+              **checks_tags(checks.failed(results))})
     if checks.failed(results):
         context.log.error(f"{model_name} v{version} is tagged {CHECKS_TAG}=failed "
                           f"({', '.join(checks.failed(results))}): not promoted")

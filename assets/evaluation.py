@@ -8,12 +8,14 @@ loads them, and a mismatch fails the run."""
 
 import tempfile
 import time
+from pathlib import Path
 
 import dagster as dg
 
 from assets.checks import eval_score
 from assets.run_config import EvaluateConfig
 from resources import ArtifactStoreResource, MLflowResource
+from tinker_pipelines.bases import BaseMissing, resolve_base
 from tinker_pipelines.checkpoint import read_record
 from tinker_pipelines.config import config_from_dict
 from tinker_pipelines.schedule_rules import DEVICE_POOL, LOADS_MODEL_TAG, LORA_STEP_TAGS
@@ -45,6 +47,17 @@ def resolve_version(tracker, name: str, version: str):
     return mv
 
 
+def base_of_version(record: dict, cfg, mv, tracker, artifact_store: ArtifactStoreResource):
+    """`bases.resolve_base` for registry version `mv` (also used by `inference`), kept in the
+    store's cache (a worker may be started on it); `dg.Failure` naming a missing warm start
+    instead of loading the adapter into another policy."""
+    try:
+        return resolve_base(record, cfg, mv.tags.get("tinker.experiment", mv.name.removeprefix("tinker-")),
+                            Path(artifact_store.cache_dir) / "bases", tracker, artifact_store.store())
+    except BaseMissing as e:
+        raise dg.Failure(f"{mv.name} v{mv.version}: {e}") from None
+
+
 @dg.op(tags={"kind": "mlflow", **LORA_STEP_TAGS}, pool=DEVICE_POOL)
 def evaluate_adapter(context: dg.OpExecutionContext, config: EvaluateConfig, mlflow: MLflowResource,
                      artifact_store: ArtifactStoreResource) -> dict:
@@ -57,9 +70,9 @@ def evaluate_adapter(context: dg.OpExecutionContext, config: EvaluateConfig, mlf
         record = verified_record(path, config.model_name, mv)
         cfg = config_from_dict(record["config"])
         exp = Experiment(cfg)
-        if cfg.sft.steps:
-            store = artifact_store.store()
-            exp.use_base(store.local_dir(f"{mv.tags['tinker.experiment']}/sft"))
+        if cfg.sft.steps:  # the very warm start it was trained on, found by its content hash
+            base, _ = base_of_version(record, cfg, mv, tracker, artifact_store)
+            exp.use_base(base)
         exp.start_rl()
         exp.resume(path)
     metrics = exp.evaluate(config.num_tasks or None)

@@ -1,8 +1,8 @@
 """The `inference` job: batch generation and scoring of a registered adapter version.
 
 `inference_results` resolves `model` (`NAME@ALIAS`, `NAME/VERSION` or `NAME` for the latest) in
-the MLflow registry, rebuilds the policy from the version's checkpoint (on its SFT warm start when
-the record says `sft.steps > 0`), and runs `tinker_pipelines.inference.run_inference`: in-process,
+the MLflow registry, rebuilds the policy from the version's checkpoint (on the SFT warm start its
+record names, from the registry), and runs `tinker_pipelines.inference.run_inference`: in-process,
 or on the resident worker the `policy_engine` resource names. The per-episode records go to the
 artifact store as JSONL; the metadata carries the summary and the file's path.
 """
@@ -10,11 +10,12 @@ artifact store as JSONL; the metadata carries the summary and the file's path.
 import json
 import tempfile
 import time
+from pathlib import Path
 
 import dagster as dg
 from pydantic import Field
 
-from assets.evaluation import resolve_version
+from assets.evaluation import base_of_version, resolve_version
 from assets.partitions import uri_value
 from assets.run_config import _config_class
 from resources import ArtifactStoreResource, MLflowResource, PolicyEngine
@@ -66,14 +67,11 @@ def inference_results(context: dg.AssetExecutionContext, config: InferenceRunCon
     experiment = mv.tags.get("tinker.experiment", name)
     with tempfile.TemporaryDirectory() as tmp:  # the checkpoint is read into the policy, then dropped
         path = tracker.download_version(name, str(mv.version), tmp)
-        record_cfg = config_from_dict(read_record(path)["config"])
+        record = read_record(path)
+        record_cfg = config_from_dict(record["config"])
         base = None
-        if record_cfg.sft.steps:
-            key = f"{experiment}/sft"
-            if not store.exists(key):
-                raise dg.Failure(f"{name} v{mv.version} was trained on the SFT warm start of {experiment!r}, "
-                                 f"which is not in the artifact store (materialize sft_checkpoint)")
-            base = store.local_dir(key).resolve()
+        if record_cfg.sft.steps:  # the very warm start it was trained on, found by its content hash
+            base = Path(base_of_version(record, record_cfg, mv, tracker, artifact_store)[0])
         address = policy_engine.worker_address(record_cfg, base)
         # a name of its own on the worker: the training run of the same experiment may hold its adapter
         exp = experiment_from_checkpoint(path, base, worker=address, name=f"inference-{context.run.run_id[:8]}")

@@ -1,5 +1,6 @@
 """The supervised warm start as an asset, partitioned per experiment: the RL iterations of an
-experiment with `sft.steps > 0` start from this checkpoint."""
+experiment with `sft.steps > 0` start from this checkpoint. Each warm start is also registered
+as a version of `sft-<experiment>`, so an adapter's recorded base can be fetched anywhere."""
 
 
 import time
@@ -10,6 +11,7 @@ from assets.lineage import save_settings
 from assets.partitions import EXPERIMENTS, check_experiment, ensure_partition, uri_value
 from assets.run_config import RLConfig
 from resources import ArtifactStoreResource, MLflowResource
+from tinker_pipelines.bases import register_base, sft_model_name
 from tinker_pipelines.checkpoint import content_hash
 from tinker_pipelines.schedule_rules import DEVICE_POOL, EXCLUSIVE_STEP_TAGS
 from tinker_pipelines.train import Experiment
@@ -37,7 +39,10 @@ def sft_checkpoint(context: dg.AssetExecutionContext, config: RLConfig, artifact
     exp.save_base(local)
     uri = store.put_dir(local, key)
     tracker.log_series_once(run_id, "sft/loss", [m["loss"] for m in history])
+    # the adapters trained on it name it by content hash: registered, it travels with them
+    version = register_base(tracker, run_id, name, local)
     return dg.MaterializeResult(metadata={
         "path": uri_value(uri), "store_key": key,
         "content_hash": content_hash(local), "steps": len(history), "final_loss": history[-1]["loss"],
+        "registered_model": sft_model_name(name), "model_version": version,
         "mlflow_run_id": run_id, "wall_time_s": round(time.perf_counter() - start, 3)})

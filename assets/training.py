@@ -21,6 +21,7 @@ from assets.partitions import (ITERATIONS, ensure_partition, iteration_key, pars
                                uri_value)
 from assets.run_config import RLConfig
 from resources import ArtifactStoreResource, MLflowResource, PolicyEngine
+from tinker_pipelines.bases import base_tags
 from tinker_pipelines.schedule_rules import DEVICE_POOL, eval_due, LORA_STEP_TAGS
 from tinker_pipelines.envs import EnvError
 from tinker_pipelines.tracking import registered_model_name
@@ -187,7 +188,7 @@ def adapter_checkpoint(context: dg.AssetExecutionContext, policy_engine: PolicyE
         tags={"dagster_run_id": context.run.run_id, "partition": context.partition_key,
               "content_hash": record["content_hash"], "tinker.experiment": name, "iteration": str(k),
               "parent_version": prev.model_version if prev else "", "store_uri": uri,
-              **checks_tags(checks.failed(results))})
+              **base_tags(step.tracker, name, record), **checks_tags(checks.failed(results))})
     if checks.failed(results):
         context.log.error(f"{step.model_name} v{version} is tagged {CHECKS_TAG}=failed "
                           f"({', '.join(checks.failed(results))}): not promoted, not trained on from")

@@ -11,7 +11,9 @@ from dagster_env import NO_SFT, SMALL, materializations, metadata, tracker
 
 from assets.launch import rl_run_config, run_iterations, run_sft
 from resources.policy_engine import evict, resident
+from tinker_pipelines.bases import sft_model_name
 from tinker_pipelines.config import config_from_dict
+from tinker_pipelines.export import export_version
 from tinker_pipelines.tracking import registered_model_name
 from tinker_pipelines.train import deterministic_metrics, train
 
@@ -86,6 +88,22 @@ def test_one_mlflow_run_registry_versions_and_tags(trained):
         assert trained.get_run_by_id(mv.tags["dagster_run_id"]).tags["dagster/partition"] == f"{EXP}:{k}"
     files = t.client.list_artifacts(run_id, "adapters/iter_00002")
     assert {Path(f.path).name for f in files} >= {"adapter_model.safetensors", "record.json"}
+
+
+def test_the_warm_start_is_registered_and_every_adapter_names_it(trained, tmp_path):
+    """The `sft` job registers its warm start as `sft-<experiment>`; each adapter version is
+    tagged with that version and its record holds the warm start's content hash, so the
+    registered version exports onto the very base it was trained on."""
+    t = tracker()
+    sft_md = metadata(materializations(trained, "sft_checkpoint", EXP)[0])
+    (base,) = t.client.search_model_versions(f"name = '{sft_model_name(EXP)}'")
+    assert base.tags["content_hash"] == sft_md["content_hash"] and str(sft_md["model_version"]) == str(base.version)
+    assert sft_model_name(EXP) not in t.models()  # not an adapter: the registry sensor never evaluates it
+    for mv in t.client.search_model_versions(f"name = '{registered_model_name(EXP)}'"):
+        assert (mv.tags["tinker.base_model"], mv.tags["tinker.base_version"]) == (sft_model_name(EXP), str(base.version))
+    record = export_version(f"{registered_model_name(EXP)}/3", tmp_path / "out")
+    assert record["base"]["sft_content_hash"] == sft_md["content_hash"]
+    assert max(record["max_logit_diff"].values()) <= 1e-4
 
 
 def test_retry_in_fresh_process_state_resumes_and_does_not_duplicate(trained):

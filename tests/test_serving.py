@@ -334,7 +334,7 @@ def test_a_version_trained_on_an_sft_warm_start_is_served_on_that_base(instance)
     server = build_server(ref=f"{model}/1", registry=Registry(t, store), device="cpu", dtype="float32")
     thread = ServerThread(server)
     try:
-        assert server.base_identity == str(store.local_dir(f"{exp_name}/sft").resolve())
+        assert server.base_identity == f"sha256:{exp.sft_record['content_hash']}"
         c = openai.OpenAI(base_url=thread.url, api_key="x", max_retries=0)
         got = c.completions.create(model=f"{model}/1", prompt=[[5, 6, 7]], max_tokens=6, temperature=0)
         (s,) = exp.sampler().sample([[5, 6, 7]], 6, 0.0)

@@ -1,6 +1,7 @@
 """`tinker-pipelines train CONFIG.yaml`: SFT warm start then RL, in a plain Python loop;
 `tinker-pipelines worker --model NAME`: a resident device worker hosting many experiments' adapters;
-`tinker-pipelines serve [MODEL@ALIAS ...]`: an OpenAI-compatible endpoint over the base and registered adapters."""
+`tinker-pipelines serve [MODEL@ALIAS ...]`: an OpenAI-compatible endpoint over the base and registered adapters;
+`tinker-pipelines export SOURCE --out DIR`: an adapter as a PEFT directory, its base and merged weights."""
 
 from __future__ import annotations
 
@@ -237,6 +238,43 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Export a checkpoint directory or a registered version; faults are one line `error: ...`."""
+    from tinker_pipelines.bases import BaseMissing
+    from tinker_pipelines.checkpoint import CheckpointError
+    from tinker_pipelines.export import ExportError, export_checkpoint, export_version
+    from tinker_pipelines.serving import ServingError
+
+    try:
+        if args.tolerance <= 0:
+            raise ValueError(f"--tolerance must be > 0, got {args.tolerance}")
+        if Path(args.source).is_dir():
+            record = export_checkpoint(args.source, args.out, args.base or None, not args.no_merged,
+                                       args.tolerance, args.device)
+        elif args.base:
+            raise ValueError("--base is for a checkpoint directory; a registered version's base is found "
+                             f"from its record ({args.source} is not a directory)")
+        else:
+            record = export_version(args.source, args.out, merged=not args.no_merged, tolerance=args.tolerance,
+                                    device=args.device)
+    except ServingError as e:
+        print(f"error: {_one_line(e.message)}", file=sys.stderr)
+        return 1
+    except (ValueError, ExportError, CheckpointError, BaseMissing, ConfigError, OSError) as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    diffs = record["max_logit_diff"]
+    print(f"exported {record['source']} to {out}")
+    print(f"  base:    {out / 'base'}  ({record['base']['identity_here']})")
+    print(f"  adapter: {out / 'adapter'}  (PEFT; max logit difference {diffs['adapter']:.2g})")
+    if "merged" in diffs:
+        print(f"  merged:  {out / 'merged'}  (safetensors; max logit difference {diffs['merged']:.2g})")
+    for problem in record["vllm_format_problems"]:
+        print(f"  warning: vLLM would refuse the adapter: {problem}")
+    return 0
+
+
 def _preload(server, ref: str) -> None:
     import asyncio
 
@@ -292,6 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     s.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     s.set_defaults(func=cmd_serve)
+    e = sub.add_parser("export", help="a trained adapter as a PEFT directory, its base and merged safetensors")
+    e.add_argument("source", help="a checkpoint directory, or a registered version (MODEL@ALIAS, MODEL/VERSION)")
+    e.add_argument("--out", required=True, help="directory to create (must not exist)")
+    e.add_argument("--base", default="", help="for a checkpoint directory trained on an SFT warm start: that base")
+    e.add_argument("--no-merged", action="store_true", help="skip the merged full weights")
+    e.add_argument("--tolerance", type=float, default=1e-4, help="largest logit difference accepted on reload")
+    e.add_argument("--device", default="cpu", help="where to load the models for the check (cpu, cuda, cuda:N)")
+    e.set_defaults(func=cmd_export)
     args = parser.parse_args(argv)
     return args.func(args)
 

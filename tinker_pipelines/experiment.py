@@ -20,6 +20,7 @@ import torch
 
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn
 from tinker_pipelines.algorithms.registry import get_algorithm
+from tinker_pipelines.bases import SFT_KIND, base_ref, check_same_base
 from tinker_pipelines.checkpoint import atomic_directory, read_record, seed_everything, write_record
 from tinker_pipelines.config import Config, ConfigError, config_to_dict
 from tinker_pipelines.datums import critic_datums, rl_datums, sft_datum
@@ -82,6 +83,8 @@ class Experiment:
         m = cfg.model
         self.name = (name or Path(cfg.output_dir).name or "default").replace(".", "-")
         self.worker = None
+        self.sft_record: dict[str, Any] | None = None
+        """The record of the warm-started base in use (`save_base` / `use_base`), or None."""
         if worker is not None:
             self.worker = self._connect(worker, base)
             tokenizer = tokenizer or load_tokenizer(str(base) if base is not None else m.name)
@@ -115,6 +118,8 @@ class Experiment:
         if client.info["base"] != expected:
             raise WorkerError(f"worker {client.address} serves base {client.info['base']}, but experiment "
                               f"{self.name!r} trains on {expected} (set model.seed / start a worker on that base)")
+        if base is not None:
+            self.sft_record = read_record(base, verify=False)  # the worker verified its files at start
         return client
 
     # -- stages -----------------------------------------------------------------------------
@@ -145,12 +150,16 @@ class Experiment:
 
     def save_base(self, path: str | Path) -> dict[str, Any]:
         """Write the (warm-started) base model and its tokenizer as a Hugging Face directory,
-        atomically, with a record of its files' hashes that `use_base` verifies."""
+        atomically, with a record of its files' hashes that `use_base` verifies. Comes before
+        `start_rl`: the RL learner wraps the base (LoRA layers in place, or trains it)."""
+        if self.learner is not None:
+            raise ConfigError("save_base saves the warm-started base before start_rl; the RL learner now holds it")
         with atomic_directory(path) as tmp:
             self.base_model.save_pretrained(str(tmp))
             self.tokenizer.save_pretrained(str(tmp))
-            return write_record(tmp, {"kind": "sft_base", "base_model": self.cfg.model.name,
-                                      "config": config_to_dict(self.cfg)})
+            self.sft_record = write_record(tmp, {"kind": SFT_KIND, "base_model": self.cfg.model.name,
+                                                 "config": config_to_dict(self.cfg)})
+        return self.sft_record
 
     def use_base(self, path: str | Path) -> None:
         """Replace the base model by a warm-started one (`save_base`'s directory, its files
@@ -159,7 +168,7 @@ class Experiment:
 
         from tinker_pipelines.models import resolve_device, resolve_dtype
 
-        read_record(path, verify=True)
+        self.sft_record = read_record(path, verify=True)
         device = resolve_device(self.cfg.model.device)
         dtype = resolve_dtype(self.cfg.model.dtype, device)
         self.base_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
@@ -282,8 +291,10 @@ class Experiment:
         return metrics
 
     def save(self, path: str | Path, metrics: dict[str, float] | None = None) -> dict[str, Any]:
-        """Checkpoint the learner with the config, iteration and metrics in its record."""
-        record = {"config": config_to_dict(self.cfg), "iteration": self.iteration, "metrics": metrics or {}}
+        """Checkpoint the learner with the config, iteration, metrics and base (`bases.base_ref`:
+        the warm start's content hash too) in its record."""
+        record = {"config": config_to_dict(self.cfg), "iteration": self.iteration, "metrics": metrics or {},
+                  "base": base_ref(self.cfg, self.sft_record)}
         if self.learner is None:
             self.start_rl()
         return self.learner.save_state(path, record)
@@ -293,6 +304,7 @@ class Experiment:
         if self.learner is None:
             self.start_rl()
         record = self.learner.load_state(path)
+        check_same_base(record, self.sft_record, path)
         self.iteration = int(record["iteration"])
         return record
 

@@ -119,12 +119,25 @@ def load_tokenizer(name: str, **kwargs: Any) -> PreTrainedTokenizerBase:
 
 def base_identity(name: str, kwargs: dict[str, Any] | None = None, seed: int = 0) -> str:
     """What makes two bases the same weights: the catalog name with its builder arguments (and,
-    for the seeded `tiny`, the seed), or a model directory's absolute path."""
+    for the seeded `tiny`, the seed); for a directory we wrote (an SFT warm start, an export's
+    base) the content hash of its record, wherever the copy lies; else its absolute path."""
     if name == "tiny":
         args = {**(kwargs or {}), "seed": seed}
         return "tiny(" + ",".join(f"{k}={args[k]}" for k in sorted(args)) + ")"
     if name in CATALOG:
         return name
+    from tinker_pipelines.checkpoint import RECORD
+
+    record = Path(name) / RECORD
+    if record.is_file():
+        import json
+
+        try:
+            digest = json.loads(record.read_text()).get("content_hash")
+        except (ValueError, AttributeError):
+            digest = None
+        if isinstance(digest, str) and digest:
+            return f"sha256:{digest}"
     return str(Path(name).resolve())
 
 

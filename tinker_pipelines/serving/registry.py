@@ -1,9 +1,9 @@
 """Which registry version a `model` field names, its files (verified), and the base it needs.
 
 `MODEL@ALIAS` and `MODEL/VERSION` name a version of a registered model (`parse_model_ref`);
-`MODEL` alone is the latest version. A version's base is what it was trained on: the catalogue
-model of its config, or, when the config has `sft.steps > 0`, the experiment's SFT warm start in
-the artifact store (`<experiment>/sft`, as the `evaluate` and `inference` jobs find it).
+`MODEL` alone is the latest version. A version's base is what its record says it was trained
+on (`bases.resolve_base`): the catalogue model, or the SFT warm start with the recorded content
+hash, fetched from the registry (`sft-<experiment>`) as the `evaluate` and `inference` jobs do.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tinker_pipelines.bases import BaseMissing, resolve_base
 from tinker_pipelines.checkpoint import CheckpointError, read_record
 from tinker_pipelines.config import Config, ConfigError, config_from_dict
 from tinker_pipelines.inference import parse_model_ref
-from tinker_pipelines.models import base_identity
 from tinker_pipelines.serving.errors import ServingError, model_not_found
 from tinker_pipelines.tracking.mlflow_tracker import EXPERIMENT_TAG
 
@@ -115,22 +115,15 @@ class Registry:
         if cfg.training.mode != "lora":
             raise ServingError(400, f"{name} v{version} trains every parameter (training.mode: full); the endpoint "
                                     "serves LoRA adapters on a shared base", param="model", code="model_not_servable")
-        base_path, base = version_base(cfg, mv.tags.get(EXPERIMENT_TAG, name.removeprefix("tinker-")), self.store)
+        experiment = mv.tags.get(EXPERIMENT_TAG, name.removeprefix("tinker-"))
+        try:
+            base_path, base = resolve_base(record, cfg, experiment, self.cache_dir / "bases", self.tracker, self.store)
+        except BaseMissing as e:
+            raise ServingError(409, f"{name} v{version}: {e}", "invalid_request_error", "model",
+                               "base_missing") from None
+        except CheckpointError as e:
+            raise corrupt(name, version, f"its base: {e}") from None
         return Version(name, version, Path(path), cfg, base, base_path)
-
-
-def version_base(cfg: Config, experiment: str, store: Any) -> tuple[str, str]:
-    """(what `load_model` takes, `base_identity`) of the base a version with `cfg` trained on."""
-    m = cfg.model
-    if cfg.sft.steps:
-        key = f"{experiment}/sft"
-        if not store.exists(key):
-            raise ServingError(409, f"experiment {experiment!r} was trained on its SFT warm start, which is not in "
-                                    "the artifact store (materialize sft_checkpoint)", "invalid_request_error",
-                               "model", "base_missing")
-        path = str(store.local_dir(key).resolve())
-        return path, base_identity(path, {}, 0)
-    return m.name, base_identity(m.name, m.kwargs, cfg.seed if m.seed is None else m.seed)
 
 
 def corrupt(name: str, version: str, why: str) -> ServingError:

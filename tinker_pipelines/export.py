@@ -1,0 +1,194 @@
+"""Export a trained LoRA policy for other stacks: a PEFT adapter, its base, and merged weights.
+
+`export_checkpoint(checkpoint, out)` writes, atomically, under `out/`:
+
+- `base/`    the base the adapter was trained on (the catalogue model, or the SFT warm start
+             the checkpoint's record names by content hash) as a Hugging Face directory;
+- `adapter/` the adapter as PEFT writes it (`adapter_config.json` + `adapter_model.safetensors`,
+             the base path pointing at `base/`), with the tokenizer and chat template: what
+             `PeftModel.from_pretrained` and vLLM's `--lora-modules` load;
+- `merged/`  base + adapter merged into plain weights (safetensors), with the tokenizer and
+             chat template: a model any `from_pretrained` loads, no PEFT needed;
+- `record.json` the source, the base, the measured logit differences and every file's hash.
+
+Each artifact is loaded back from disk with plain transformers / PEFT and its logits are
+compared with the policy as this library evaluates it (`Experiment.resume` on its base);
+the export fails (`ExportError`) and leaves nothing behind when they differ by more than
+`tolerance`. The value head of a PPO checkpoint is training state, not policy: not exported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinker_pipelines.bases import recorded_base
+from tinker_pipelines.checkpoint import atomic_directory, read_record, write_record
+from tinker_pipelines.config import config_from_dict
+
+LLAMA_LINEAR = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+"""Llama's linear layers: the LoRA targets vLLM's Llama implementation can apply."""
+_KEY = re.compile(r"^base_model\.model\..+\.lora_[AB]\.weight$")
+
+
+class ExportError(RuntimeError):
+    """An export that cannot be made, or whose artifacts do not reproduce the policy."""
+
+
+def vllm_format_problems(adapter_dir: str | Path) -> list[str]:
+    """What in a PEFT adapter directory vLLM's LoRA loader would refuse (empty: none): a
+    non-LoRA or DoRA adapter, bias terms, `modules_to_save`, targets outside Llama's linear
+    layers, tensors not named `base_model.model.<module>.lora_A/B.weight`."""
+    from safetensors import safe_open
+
+    d = Path(adapter_dir)
+    conf = json.loads((d / "adapter_config.json").read_text())
+    problems = []
+    if conf.get("peft_type") != "LORA":
+        problems.append(f"peft_type is {conf.get('peft_type')!r}, not 'LORA'")
+    if conf.get("use_dora"):
+        problems.append("use_dora is set")
+    if conf.get("bias", "none") != "none":
+        problems.append(f"bias is {conf.get('bias')!r}")
+    if conf.get("modules_to_save"):
+        problems.append(f"modules_to_save is {conf['modules_to_save']}")
+    targets = conf.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else targets
+    if not targets or set(targets) - LLAMA_LINEAR:
+        problems.append(f"target_modules {sorted(targets)} are not all among {sorted(LLAMA_LINEAR)}")
+    with safe_open(str(d / "adapter_model.safetensors"), "pt") as f:
+        bad = [k for k in f.keys() if not _KEY.match(k)]
+    if bad:
+        problems.append(f"tensor names vLLM does not map: {bad[:3]}")
+    return problems
+
+
+def _probe(tokenizer) -> torch.Tensor:
+    """Two prompts [2, T]: a chat turn and a seeded spread over the vocabulary."""
+    from tinker_pipelines.models import encode_chat
+
+    chat = encode_chat(tokenizer, [{"role": "user", "content": "What is 17 + 25? Answer with a number."}])
+    g = torch.Generator().manual_seed(0)
+    spread = torch.randint(0, len(tokenizer), (len(chat),), generator=g).tolist()
+    return torch.tensor([chat, spread])
+
+
+@torch.no_grad()
+def _logits(model: torch.nn.Module, ids_BT: torch.Tensor) -> torch.Tensor:
+    dev = next(model.parameters()).device
+    return model(input_ids=ids_BT.to(dev)).logits.float().cpu()
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, base: str | Path | None = None,
+                      merged: bool = True, tolerance: float = 1e-4, device: str = "cpu",
+                      source: str = "") -> dict[str, Any]:
+    """Export the LoRA checkpoint at `checkpoint` (a directory `Experiment.save` wrote, or a
+    downloaded registry version) to `out` (which must not exist); returns the export's record.
+
+    `base` is the warm-started base directory the checkpoint was trained on (required when its
+    record names one; checked against the recorded content hash). Loads in fp32 on `device`."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tinker_pipelines.experiment import Experiment
+    from tinker_pipelines.models import base_identity, load_model
+
+    out = Path(out)
+    if out.exists():
+        raise ExportError(f"export directory {out} already exists (choose a new one)")
+    record = read_record(checkpoint, verify=True)
+    cfg = config_from_dict(record["config"])
+    if record.get("mode") != "lora":
+        raise ExportError(f"checkpoint {checkpoint} trains every parameter (training.mode: {record.get('mode')}): "
+                          "its model*.safetensors already are plain weights; export takes LoRA checkpoints")
+    wanted = recorded_base(record, cfg)
+    if "sft_content_hash" in wanted:
+        if base is None:
+            raise ExportError(f"checkpoint {checkpoint} was trained on an SFT warm start: pass its base "
+                              "directory (export a registered version to have it found)")
+        got = read_record(base, verify=True).get("content_hash")
+        if wanted["sft_content_hash"] not in (None, got):
+            raise ExportError(f"base {base} hashes to {str(got)[:16]}, but checkpoint {checkpoint} was trained on "
+                              f"the warm start {wanted['sft_content_hash'][:16]}")
+    elif base is not None:
+        raise ExportError(f"checkpoint {checkpoint} was trained on the catalogue base {wanted['name']!r}, "
+                          "not on a warm start: leave out the base")
+    m = dataclasses.replace(cfg.model, device=device, dtype="float32")
+    cfg = dataclasses.replace(cfg, model=m)
+    exp = Experiment(cfg, name="export")  # the policy as evaluate and inference rebuild it
+    if base is not None:
+        exp.use_base(base)
+    exp.start_rl()
+    exp.resume(checkpoint)
+    tokenizer = exp.tokenizer
+    ids_BT = _probe(tokenizer)
+    want_BTV = _logits(exp.policy, ids_BT)
+    del exp
+    final = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_directory(out) as tmp:
+        base_dir, adapter_dir, merged_dir = tmp / "base", tmp / "adapter", tmp / "merged"
+        if base is not None:  # the warm start as written, its record kept: it stays verifiable
+            shutil.copytree(base, base_dir)
+        else:
+            model, _ = load_model(m.name, seed=cfg.seed if m.seed is None else m.seed, dtype=torch.float32,
+                                  device="cpu", **m.kwargs)
+            model.save_pretrained(str(base_dir), safe_serialization=True)
+            tokenizer.save_pretrained(str(base_dir))
+            del model
+        adapter_dir.mkdir()
+        shutil.copy2(Path(checkpoint) / "adapter_model.safetensors", adapter_dir / "adapter_model.safetensors")
+        conf = json.loads((Path(checkpoint) / "adapter_config.json").read_text())
+        conf["base_model_name_or_path"] = str(final / "base")
+        (adapter_dir / "adapter_config.json").write_text(json.dumps(conf, indent=2, sort_keys=True))
+        tokenizer.save_pretrained(str(adapter_dir))
+        loaded = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).to(device).eval()
+        peft = PeftModel.from_pretrained(loaded, str(adapter_dir)).eval()
+        diffs = {"adapter": float((_logits(peft, ids_BT) - want_BTV).abs().max())}
+        if merged:
+            peft.merge_and_unload().save_pretrained(str(merged_dir), safe_serialization=True)
+            tokenizer.save_pretrained(str(merged_dir))
+            back = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).to(device).eval()
+            diffs["merged"] = float((_logits(back, ids_BT) - want_BTV).abs().max())
+            _check_tokenizer(AutoTokenizer.from_pretrained(str(merged_dir)), tokenizer, merged_dir)
+        _check_tokenizer(AutoTokenizer.from_pretrained(str(adapter_dir)), tokenizer, adapter_dir)
+        far = {k: v for k, v in diffs.items() if not v <= tolerance}
+        if far:
+            raise ExportError(f"exported {', '.join(far)} give logits up to {max(far.values()):.3g} away from the "
+                              f"trained policy (tolerance {tolerance:g}): not exported")
+        problems = vllm_format_problems(adapter_dir)
+        return write_record(tmp, {
+            "kind": "export", "source": source or str(Path(checkpoint).resolve()),
+            "base": {**wanted, "identity_here": base_identity(str(base)) if base else wanted["identity"]},
+            "checkpoint_content_hash": record["content_hash"], "iteration": record.get("iteration"),
+            "max_logit_diff": diffs, "tolerance": tolerance, "vllm_format_problems": problems,
+            "parts": sorted(p.name for p in tmp.iterdir() if p.is_dir())})
+
+
+def _check_tokenizer(got, want, where: Path) -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    a = got.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    b = want.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    if a != b or got.encode("17 + 25") != want.encode("17 + 25"):
+        raise ExportError(f"the tokenizer or chat template saved in {where} does not render as the trained one")
+
+
+def export_version(ref: str, out: str | Path, registry: Any = None, merged: bool = True, tolerance: float = 1e-4,
+                   device: str = "cpu") -> dict[str, Any]:
+    """Export the registered version `ref` names (`MODEL@ALIAS`, `MODEL/VERSION`, `MODEL`): its
+    files verified against the hash it was registered with, on the base its record names
+    (a warm start fetched from the registry by content hash). `registry`: a
+    `serving.registry.Registry` (default: this deployment's, as `registry_from_env` finds it)."""
+    from tinker_pipelines.serving.registry import Registry, registry_from_env
+
+    registry = registry or Registry(*registry_from_env())
+    name, version = registry.resolve(ref)
+    v = registry.fetch(name, version)
+    base = v.base_path if v.base_path != v.config.model.name else None
+    return export_checkpoint(v.path, out, base, merged, tolerance, device, source=f"{name}/{version} ({ref})")

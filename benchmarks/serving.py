@@ -14,6 +14,11 @@ is the cost of the decoding alone.
 
 Each setting runs twice, interleaved, and the faster run is reported (a shared machine stalls).
 
+`--omp-wait-policy` (default `passive`, what `start_server_process` gives a served process) is set
+before torch loads: with libgomp's default, torch's OpenMP worker spins after every parallel
+region and, on a machine with few cores, takes a core from the decode thread and the HTTP threads
+(docs/serving.md, "Figures"). `default` leaves the environment as it is, to compare.
+
 Last line: JSON with throughput_ratio_4_vs_1 (requests/s with 4 adapters / with 1; >= 0.8 means
 mixing adapters costs little), p95_ms (4 adapters), server_vs_inprocess (server requests/s /
 in-process replay requests/s, 4 adapters; the HTTP, JSON and scheduling overhead).
@@ -126,8 +131,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per run at most")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--omp-wait-policy", choices=["passive", "active", "default"], default="passive",
+                    help="OMP_WAIT_POLICY for this process (default: leave the environment's)")
     args = ap.parse_args()
     os.environ["TINKER_HOME"] = tempfile.mkdtemp(prefix="tinker-bench-serving-")
+    if args.omp_wait_policy != "default":  # read once, when torch loads libgomp
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     import torch
 
     if args.threads:
@@ -141,9 +150,9 @@ def main() -> None:
     server = build_server(ref=adapters[0], max_adapters=4, device="cpu", dtype="float32")
     thread = ServerThread(server)
     print(f"tiny model, {CLIENTS} clients on {thread.url}, up to {args.requests} requests x {args.max_tokens} tokens "
-          f"per run; torch threads {torch.get_num_threads()}; load avg {os.getloadavg()[0]:.2f}")
-    # warm-up, untimed, with the measured workload: every adapter loaded; the first full-length run
-    # after start was ~10x slower here whichever setting came first (cause not pinned down)
+          f"per run; torch threads {torch.get_num_threads()}; OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}; "
+          f"load avg {os.getloadavg()[0]:.2f}")
+    # warm-up, untimed, with the measured workload: adapters load on first use, outside the timed runs
     load(thread.url, adapters, args.requests, args.max_tokens, args.time_limit)
     rows: dict[str, dict] = {}
     # each setting twice, interleaved, the faster run kept: on a shared machine a run can stall

@@ -28,7 +28,7 @@ from tinker_pipelines.experiment import Experiment
 from tinker_pipelines.inference import experiment_from_checkpoint
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes
 from tinker_pipelines.serving.client import EndpointSampler, evaluate_endpoint
-from tinker_pipelines.serving.launch import ServerThread, build_server
+from tinker_pipelines.serving.launch import ServerThread, build_server, serving_env
 from tinker_pipelines.serving.registry import Registry
 from tinker_pipelines.tracking import registered_model_name
 from tinker_pipelines.tracking.mlflow_tracker import EXPERIMENT_TAG, checks_tags
@@ -365,6 +365,14 @@ def test_served_from_a_resident_worker_the_tokens_are_the_same(instance, endpoin
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_a_served_process_lets_idle_openmp_threads_sleep(monkeypatch):
+    # spinning OpenMP workers took a core from the decode and HTTP threads (docs/serving.md)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert serving_env()["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # a choice made by whoever starts it is kept
+    assert serving_env()["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
 def test_tool_calls_in_responses():

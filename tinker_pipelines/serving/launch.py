@@ -4,6 +4,7 @@ a `tinker-pipelines serve` process (the CLI, the Dagster `serve` job)."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -108,6 +109,15 @@ def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None)
     raise RuntimeError(f"the server at {url} was not ready after {timeout_s:.0f} s")
 
 
+def serving_env() -> dict[str, str]:
+    """The environment of a served process: this one's, with OpenMP's idle threads sleeping
+    (`OMP_WAIT_POLICY=PASSIVE`, unless set). With libgomp's default, torch's OpenMP worker spins
+    after every parallel region while the decode thread runs Python between ops; with few cores
+    that spinning takes a core from the decode thread and the HTTP threads (7-10x slower runs on
+    2 cores, docs/serving.md). libgomp reads it once, as torch loads: hence a process setting."""
+    return {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+
+
 def start_server_process(args: list[str], host: str = DEFAULT_HOST, port: int | None = None,
                          log: str | Path | None = None, timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
     """`tinker-pipelines serve ARGS` in its own session; returns (process, base URL) once it answers."""
@@ -117,7 +127,7 @@ def start_server_process(args: list[str], host: str = DEFAULT_HOST, port: int | 
             port = s.getsockname()[1]
     out = open(log, "ab") if log else subprocess.DEVNULL
     proc = subprocess.Popen([sys.executable, "-m", "tinker_pipelines", "serve", *args, "--host", host,
-                             "--port", str(port)], stdout=out, stderr=out, start_new_session=True)
+                             "--port", str(port)], stdout=out, stderr=out, start_new_session=True, env=serving_env())
     url = f"http://{host}:{port}/v1"
     try:
         wait_ready(url, timeout_s, proc)

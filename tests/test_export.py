@@ -109,6 +109,14 @@ def test_export_refuses_an_existing_directory_a_full_checkpoint_and_a_missing_or
     assert torch.allclose(_logits(peft), _logits(warm.policy), atol=1e-5)
 
 
+def test_an_export_whose_parts_differ_from_the_policy_fails_and_leaves_nothing(tmp_path):
+    exp = _trained(CFG)
+    exp.save(tmp_path / "ckpt")
+    with pytest.raises(ExportError, match="exported merged give logits up to"):  # merging rounds: never exact
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "out", tolerance=1e-12)
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == [tmp_path / "ckpt"]
+
+
 def test_a_resume_on_another_warm_start_is_refused(tmp_path):
     warm = _trained(SFT, tmp_path / "sft")
     warm.save(tmp_path / "ckpt")

@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--out", required=True, help="directory to create (must not exist)")
     e.add_argument("--base", default="", help="for a checkpoint directory trained on an SFT warm start: that base")
     e.add_argument("--no-merged", action="store_true", help="skip the merged full weights")
-    e.add_argument("--tolerance", type=float, default=1e-4, help="largest logit difference accepted on reload")
+    e.add_argument("--tolerance", type=float, default=1e-4, help="largest logit difference accepted on reload, relative to the largest |logit|")
     e.add_argument("--device", default="cpu", help="where to load the models for the check (cpu, cuda, cuda:N)")
     e.set_defaults(func=cmd_export)
     args = parser.parse_args(argv)

@@ -1,13 +1,13 @@
 """The OpenAI-compatible endpoint under load: 16 concurrent clients on loopback, 1 vs 4 adapters,
 against the same batches decoded in-process.
 
-    python -m benchmarks.serving [--requests 96] [--max-tokens 16] [--time-limit 120]
+    python -m benchmarks.serving [--requests 96] [--max-tokens 16] [--time-limit 120] [--model tiny]
 
 Setup (a temporary TINKER_HOME): 4 versions of `tinker-bench` registered as the `rl` asset
-registers them (LoRA adapters of the tiny model, B drawn at random so each decodes differently),
-one endpoint (`build_server`, uvicorn on 127.0.0.1) over their base. Each run: 16 client threads,
-each with one keep-alive connection, send greedy `/v1/completions` requests (short arithmetic
-prompts, `max_tokens` tokens) until `--requests` have been answered or `--time-limit` passed;
+registers them (LoRA adapters of `--model`, the tiny model by default; B drawn at random so each
+decodes differently), one endpoint (`build_server`, uvicorn on 127.0.0.1) over their base. Each
+run: 16 client threads, each with one keep-alive connection, send greedy `/v1/completions`
+requests (short arithmetic prompts, `max_tokens` tokens) until `--requests` have been answered or `--time-limit` passed;
 requests go round-robin to 1 adapter or to 4. Every batch the compute thread ran is recorded
 and then replayed in-process (`Sampler.sample_requests` on the same engine, same requests), which
 is the cost of the decoding alone.
@@ -40,7 +40,7 @@ CLIENTS = 16
 EXP = "bench"
 
 
-def register_versions(n: int) -> None:
+def register_versions(n: int, model: str = "tiny") -> None:
     """`n` versions of tinker-bench in this TINKER_HOME's registry, tagged as the `rl` asset tags them."""
     import torch
 
@@ -50,7 +50,7 @@ def register_versions(n: int) -> None:
     from tinker_pipelines.tracking import registered_model_name
     from tinker_pipelines.tracking.mlflow_tracker import EXPERIMENT_TAG, checks_tags
 
-    cfg = {"seed": 0, "model": {"name": "tiny", "device": "cpu", "dtype": "float32"},
+    cfg = {"seed": 0, "model": {"name": model, "device": "cpu", "dtype": "float32"},
            "env": {"path": "arithmetic", "kwargs": {"max_operand": 9}}, "algorithm": {"name": "grpo"},
            "training": {"mode": "lora", "iterations": 1}, "sft": {"steps": 0}}
     exp = Experiment(config_from_dict(cfg))
@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=96, help="requests per run (bounded also by --time-limit)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per run at most")
+    ap.add_argument("--model", default="tiny", help="catalog base of the adapters (tiny, smollm2-135m-instruct)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--omp-wait-policy", choices=["passive", "active", "default"], default="passive",
                     help="OMP_WAIT_POLICY for this process (default: leave the environment's)")
@@ -144,12 +145,12 @@ def main() -> None:
     from tinker_pipelines.serving.launch import ServerThread, build_server
     from tinker_pipelines.tracking import registered_model_name
 
-    register_versions(4)
+    register_versions(4, args.model)
     name = registered_model_name(EXP)
     adapters = [f"{name}/{v}" for v in range(1, 5)]
     server = build_server(ref=adapters[0], max_adapters=4, device="cpu", dtype="float32")
     thread = ServerThread(server)
-    print(f"tiny model, {CLIENTS} clients on {thread.url}, up to {args.requests} requests x {args.max_tokens} tokens "
+    print(f"{args.model}, {CLIENTS} clients on {thread.url}, up to {args.requests} requests x {args.max_tokens} tokens "
           f"per run; torch threads {torch.get_num_threads()}; OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}; "
           f"load avg {os.getloadavg()[0]:.2f}")
     # warm-up, untimed, with the measured workload: adapters load on first use, outside the timed runs
@@ -171,7 +172,7 @@ def main() -> None:
         print(f"{label:<11} {r['requests']:>8} {r['rps']:>7.2f} {r['p50_ms']:>8.0f} {r['p95_ms']:>8.0f} "
               f"{r['batch_mean']:>9.1f} {r['inprocess_rps']:>17.2f}")
     one, four = rows["1 adapter"], rows["4 adapters"]
-    print(json.dumps({"throughput_ratio_4_vs_1": round(four["rps"] / one["rps"], 3), "p95_ms": round(four["p95_ms"], 1),
+    print(json.dumps({"model": args.model, "throughput_ratio_4_vs_1": round(four["rps"] / one["rps"], 3), "p95_ms": round(four["p95_ms"], 1),
                       "server_vs_inprocess": round(four["rps"] / four["inprocess_rps"], 3),
                       "rps_1": round(one["rps"], 2), "rps_4": round(four["rps"], 2),
                       "p95_ms_1": round(one["p95_ms"], 1)}))

@@ -375,6 +375,34 @@ def test_a_served_process_lets_idle_openmp_threads_sleep(monkeypatch):
     assert serving_env()["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
+def test_an_engine_that_decoded_its_bare_base_decodes_its_first_adapter():
+    """The first adapter swaps the base's linears for LoRA layers over the same weights: the
+    sampler's cached decoder must not keep serving the bare base."""
+    from dataclasses import asdict
+
+    from tinker_pipelines.learner import LearnerConfig
+    from tinker_pipelines.models import load_model, stop_token_ids
+    from tinker_pipelines.rollout.sampler import BASE, Sampler, SampleRequest
+    from tinker_pipelines.worker.engine import Engine
+
+    model, tok = load_model("tiny", seed=0)
+    model.requires_grad_(False)
+    engine = Engine(model, tok.pad_token_id, stop_token_ids(tok), "tiny(seed=0)")
+    prompts = [tok.encode("3 + 4 ="), tok.encode("1 + 2 =")]
+    base = engine.sampler.sample_requests([SampleRequest(prompts, 6, 0.0, None, BASE)])[0]
+    engine.create(0, "a", asdict(LearnerConfig(mode="lora")), seed=0, base_name="")
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for n, p in engine.model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    served = engine.sampler.sample_requests([SampleRequest(prompts, 6, 0.0, None, "a")])[0]
+    fresh = Sampler(engine.model, tok.pad_token_id, stop_token_ids(tok)).sample_requests(
+        [SampleRequest(prompts, 6, 0.0, None, "a")])[0]
+    assert [s.logprobs for s in served] == [s.logprobs for s in fresh]
+    assert [s.logprobs for s in served] != [s.logprobs for s in base]
+
+
 def test_tool_calls_in_responses():
     from tinker_pipelines.serving.protocol import tool_message
 

@@ -81,9 +81,6 @@ class EngineBackend:
         def create() -> str:
             e = self.engine
             e.create(0, name, asdict(learner_config(v)), seed=0, base_name=_record_base(v))
-            # the first adapter wraps the base in a PeftModel; a decoder cached over the bare base
-            # (same base weights, so the same fingerprint) would not see any adapter
-            e.sampler.invalidate()
             e.call(name, "load_state", path=str(v.path))
             return name
         return self.run(create).result()

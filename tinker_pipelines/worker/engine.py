@@ -107,6 +107,9 @@ class Engine:
         if lcfg.mode == "lora":
             self.model = lr.model  # a PeftModel from the first adapter on
             self.sampler.model = self.model
+            # the first adapter replaces the base's linears by LoRA layers behind unchanged base
+            # weights: a decoder cached over the bare base would not see any adapter
+            self.sampler.invalidate()
         gen = torch.Generator().manual_seed(seed)
         self.hosted[name] = Hosted(lr, gen, owner, algorithm)
         return {"steps": lr.steps}

@@ -149,3 +149,17 @@ def test_library_core_has_no_import_cycle():
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
     # the circle this replaced: train -> dpo -> train; the stages import neither loop
     assert not graph["tinker_pipelines.experiment"] & {"tinker_pipelines.train", "tinker_pipelines.dpo"}
+
+
+def test_the_cli_loads_torch_only_after_serve_and_worker_set_the_openmp_wait_policy():
+    """`tinker-pipelines serve` / `worker` must set OMP_WAIT_POLICY before libgomp starts (an idle
+    OpenMP worker spinning beside the request threads stalled the endpoint 7-10x): importing the
+    CLI loads no torch, and by the time `serve` runs its command the policy is PASSIVE."""
+    code = ("import os, sys; os.environ.pop('OMP_WAIT_POLICY', None); import tinker_pipelines.cli as c; "
+            "assert 'torch' not in sys.modules, 'cli imported torch'; "
+            "rc = c.main(['serve', '--model', 'tiny', '--port', '70000']); "
+            "print(rc, os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "PASSIVE", "False"]  # the bad port is refused before torch loads

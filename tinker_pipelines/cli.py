@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from tinker_pipelines.config import ConfigError, load_config
+# torch (which `tinker_pipelines.config` pulls in) loads only once a command runs: `serve` and
+# `worker` must set OMP_WAIT_POLICY before libgomp starts (see `main`).
 
 
 def _fmt(metrics: dict[str, float]) -> str:
@@ -44,6 +46,7 @@ def _describe(e: BaseException, config_path: str, output_dir: str | None) -> tup
     import yaml
 
     from tinker_pipelines.checkpoint import CheckpointError
+    from tinker_pipelines.config import ConfigError
     from tinker_pipelines.envs import EnvError
     from tinker_pipelines.worker import WorkerError
 
@@ -76,6 +79,8 @@ def _write_failed(e: BaseException) -> bool:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from tinker_pipelines.config import load_config
+
     output_dir = None
     bars: list = []
     try:
@@ -242,6 +247,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Export a checkpoint directory or a registered version; faults are one line `error: ...`."""
     from tinker_pipelines.bases import BaseMissing
     from tinker_pipelines.checkpoint import CheckpointError
+    from tinker_pipelines.config import ConfigError
     from tinker_pipelines.export import ExportError, export_checkpoint, export_version
     from tinker_pipelines.serving import ServingError
 
@@ -339,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--device", default="cpu", help="where to load the models for the check (cpu, cuda, cuda:N)")
     e.set_defaults(func=cmd_export)
     args = parser.parse_args(argv)
+    if args.command in ("serve", "worker"):
+        # A compute thread beside request threads: libgomp's default lets torch's idle OpenMP
+        # worker spin between ops and take the core they need (docs/serving.md, "Figures").
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return args.func(args)
 
 

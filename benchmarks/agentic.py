@@ -83,6 +83,9 @@ RACE = {
 def sft(model, tok, examples, steps, batch_size, learning_rate, seed, label, learner=None):
     """Supervised warm start: full-parameter on `model`, or through `learner` (e.g. LoRA) if given."""
     datums = [sft_datum(tok, m, c) for m, c in examples]
+    # Frozen afterwards only when this function made the learner (the race base model, which
+    # gets LoRA adapters next); a given learner's adapter stays trainable for RL.
+    own = learner is None
     learner = learner or Learner(model, LearnerConfig(mode="full", learning_rate=learning_rate), tok.pad_token_id)
     loss_fn, rng = get_algorithm("sft").loss, random.Random(derived_seed(seed, label))
     start, loss = time.perf_counter(), float("nan")
@@ -92,7 +95,8 @@ def sft(model, tok, examples, steps, batch_size, learning_rate, seed, label, lea
         if (step + 1) % max(1, min(100, steps // 4)) == 0:
             print(f"  [{label}] SFT step {step + 1}/{steps}  loss {loss:.3f}  "
                   f"[{time.perf_counter() - start:.0f} s]", flush=True)
-    model.requires_grad_(False)
+    if own:
+        model.requires_grad_(False)
     return loss
 
 

@@ -32,6 +32,7 @@ import json
 import random
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,17 +50,65 @@ from tinker_pipelines.envs import EnvSpec
 from tinker_pipelines.experiment import derived_seed
 from tinker_pipelines.types import TrajectoryGroup
 
-TOOLS = {
-    # SmolLM2-135M-Instruct (LoRA): the ~1M-parameter tiny model learns the tag format but never
-    # learned to copy operands into the call or the result into the answer within minutes of CPU
-    # SFT (0.00 with tools); a pretrained model copies digits natively.
-    "model": "smollm2-135m-instruct",
-    "env": {"min_digits": 2, "max_digits": 3, "prompt_style": "short"},
-    "lora": {"lora_rank": 16, "lora_alpha": 32.0, "micro_batch_size": 8},
-    "sft": {"steps": 16, "batch_size": 8, "learning_rate": 1e-3, "tool_examples": 600, "direct_examples": 300},
-    "rl": {"iterations": 4, "groups_per_batch": 4, "group_size": 6, "learning_rate": 2e-4, "max_new_tokens": 40,
-           "max_turns": 3, "temperature": 1.0},
-    "eval_tasks": 60,
+@dataclass(frozen=True)
+class ToolsConfig:
+    """One setting of the tools part (SmolLM2-135M-Instruct, one LoRA adapter, `multiply_tools`,
+    SFT then GRPO); `TOOLS_PRESETS` names the settings, `--preset` picks one."""
+
+    model: str = "smollm2-135m-instruct"
+    """Base model. The ~1M-parameter tiny model learns the tag format but never learned to copy
+    operands into the call or the result into the answer within minutes of CPU SFT (0.00 with
+    tools); a pretrained model copies digits natively."""
+    env: dict = field(default_factory=lambda: {"min_digits": 2, "max_digits": 3, "prompt_style": "short"})
+    """`MultiplyEnv` keyword arguments, for SFT demonstrations, RL and evaluation alike."""
+    lora: dict = field(default_factory=lambda: {"lora_rank": 16, "lora_alpha": 32.0, "micro_batch_size": 8})
+    """LoRA learner settings."""
+    sft_steps: int = 16
+    """SFT optimizer steps (LoRA) before RL."""
+    sft_batch_size: int = 8
+    """Demonstrations per SFT step."""
+    sft_learning_rate: float = 1e-3
+    """SFT learning rate."""
+    tool_examples: int = 600
+    """Tool demonstration pairs: the calculator call, then (unless `call_only`) the result copied
+    as the answer; two pairs per episode."""
+    call_only: bool = False
+    """Keep only the call turn of each tool demonstration: SFT shows the call format, never what
+    to answer once the result is back."""
+    direct_examples: int = 300
+    """Direct-answer demonstrations (no tools, the bare product), so that the no-tool condition
+    answers in the graded format rather than failing on format alone."""
+    conditions: tuple[str, ...] = ("tool", "no_tool")
+    """Conditions RL trains on (the same number of groups each) and evaluation reports: 'tool'
+    (with the calculator), 'no_tool' (answer directly)."""
+    rl_iterations: int = 4
+    """GRPO iterations (one optimizer step each)."""
+    groups_per_batch: int = 4
+    """GRPO groups per iteration, per condition."""
+    group_size: int = 6
+    """Episodes per group (same problem)."""
+    rl_learning_rate: float = 2e-4
+    """GRPO learning rate (the SFT optimizer, its rate changed)."""
+    max_new_tokens: int = 40
+    """Tokens per turn, in RL and evaluation."""
+    max_turns: int = 3
+    """Policy turns per episode (a tool call is one)."""
+    temperature: float = 1.0
+    """RL sampling temperature (evaluation is greedy)."""
+    eval_tasks: int = 60
+    """Held-out (`split="test"`) problems, the same ones after SFT and after RL."""
+
+
+TOOLS_PRESETS = {
+    # 16 SFT steps on full demonstrations: 1.00 with the calculator after SFT alone, nothing left
+    # for RL; the tool vs no-tool comparison.
+    "default": ToolsConfig(),
+    # SFT too short to finish the job: RL has to raise held-out success with the calculator.
+    "sft_short": ToolsConfig(sft_steps=3, conditions=("tool",), rl_iterations=6, rl_learning_rate=1e-3,
+                             eval_tasks=40),
+    # SFT on the call turn only (never the answer after the result): RL has to teach the answer.
+    "call_only": ToolsConfig(sft_steps=4, call_only=True, conditions=("tool",), rl_iterations=6,
+                             rl_learning_rate=1e-3, eval_tasks=40),
 }
 RACE = {
     "sft": {"steps": 80, "batch_size": 32, "learning_rate": 3e-3, "examples": 3000, "illegal_fraction": 0.1},
@@ -100,62 +149,81 @@ def sft(model, tok, examples, steps, batch_size, learning_rate, seed, label, lea
     return loss
 
 
-def tool_eval(sampler, tok, tools, n, max_new_tokens):
-    """Greedy exact-answer rate and tool-calling rate on `n` held-out problems (the same ones
-    for every call)."""
-    kw = {**TOOLS["env"], "split": "test", "tools": tools}
-    seeds = [10_000_000 + i for i in range(n)]
+CONDITION_TOOLS = {"tool": ("calculator",), "no_tool": ()}
+"""The tools each condition's environment offers."""
+
+
+def exact(traj) -> float:
+    """Exact-answer reward of an episode; 0 for one cut off at `max_turns` while still calling
+    tools (its last step has no answer to grade)."""
+    return traj.info.get("exact", 0.0)
+
+
+def tool_eval(sampler, tok, cfg: ToolsConfig, condition: str):
+    """Greedy exact-answer rate and tool-calling rate on `cfg.eval_tasks` held-out problems (the
+    same ones for every call)."""
+    kw = {**cfg.env, "split": "test", "tools": CONDITION_TOOLS[condition]}
+    seeds = [10_000_000 + i for i in range(cfg.eval_tasks)]
     trajs = run_episodes(sampler, tok, [MultiplyEnv(**kw) for _ in seeds], seeds,
-                         RolloutConfig(max_new_tokens, 0.0, TOOLS["rl"]["max_turns"]))
-    return (statistics.fmean(t.info["exact"] for t in trajs),
+                         RolloutConfig(cfg.max_new_tokens, 0.0, cfg.max_turns))
+    return (statistics.fmean(exact(t) for t in trajs),
             statistics.fmean(float(t.info.get("tool_calls", 0) > 0) for t in trajs))
 
 
-def run_tools(seed: int) -> dict:
-    """SFT (LoRA) on demonstrations of both conditions, then GRPO on both conditions; held-out
-    success with and without the calculator, the same model and problems, before and after RL."""
-    print(f"== tools: multi-digit multiplication with and without a calculator ({TOOLS['model']}) ==", flush=True)
+def tool_sft_examples(cfg: ToolsConfig, seed: int) -> list:
+    """SFT demonstrations: tool episodes (only their call turns if `cfg.call_only`) plus, when
+    the no-tool condition is trained, direct answers."""
+    tool = MultiplyEnv.sft_examples(cfg.tool_examples, seed=seed, **cfg.env)
+    if cfg.call_only:  # pairs alternate: the call, then the answer after the result
+        tool = tool[0::2]
+    direct = (MultiplyEnv.sft_examples(cfg.direct_examples, seed=seed + 1, tools=(), **cfg.env)
+              if "no_tool" in cfg.conditions else [])
+    return tool + direct
+
+
+def run_tools(cfg: ToolsConfig, seed: int) -> dict:
+    """SFT (LoRA) on demonstrations, then GRPO on each condition in `cfg.conditions`; held-out
+    success in each condition, the same model and problems, before and after RL."""
+    print(f"== tools: multi-digit multiplication, conditions {', '.join(cfg.conditions)} ({cfg.model}) ==", flush=True)
     t0 = time.perf_counter()
     seed_everything(seed)
-    model, tok = load_model(TOOLS["model"], seed=seed)
-    s, r = TOOLS["sft"], TOOLS["rl"]
-    learner = Learner(model, LearnerConfig(mode="lora", learning_rate=s["learning_rate"], **TOOLS["lora"],
-                                           temperature=r["temperature"]), tok.pad_token_id)
-    # Direct-answer demonstrations too, so that the no-tool condition answers in the graded
-    # format (a bare number) rather than failing on format alone.
-    examples = (MultiplyEnv.sft_examples(s["tool_examples"], seed=seed, **TOOLS["env"])
-                + MultiplyEnv.sft_examples(s["direct_examples"], seed=seed + 1, tools=(), **TOOLS["env"]))
-    sft(learner.model, tok, examples, s["steps"], s["batch_size"], s["learning_rate"], seed, "tools", learner)
+    model, tok = load_model(cfg.model, seed=seed)
+    learner = Learner(model, LearnerConfig(mode="lora", learning_rate=cfg.sft_learning_rate, **cfg.lora,
+                                           temperature=cfg.temperature), tok.pad_token_id)
+    sft(learner.model, tok, tool_sft_examples(cfg, seed), cfg.sft_steps, cfg.sft_batch_size, cfg.sft_learning_rate,
+        seed, "tools", learner)
     for group in learner.optimizer.param_groups:
-        group["lr"] = r["learning_rate"]
+        group["lr"] = cfg.rl_learning_rate
     sampler = Sampler(learner.model, tok.pad_token_id, stop_token_ids(tok))
-    n = TOOLS["eval_tasks"]
-    before = {"tool": tool_eval(sampler, tok, ("calculator",), n, r["max_new_tokens"]),
-              "no_tool": tool_eval(sampler, tok, (), n, r["max_new_tokens"])}
-    print(f"  after SFT: with tools {before['tool'][0]:.2f} (calls a tool {before['tool'][1]:.2f}), "
-          f"without {before['no_tool'][0]:.2f}  [{time.perf_counter() - t0:.0f} s]", flush=True)
+
+    def evaluate(label: str) -> dict:
+        out = {c: tool_eval(sampler, tok, cfg, c) for c in cfg.conditions}
+        print(f"  after {label}: " + ", ".join(f"{c} {ok:.2f} (calls a tool {calls:.2f})"
+                                             for c, (ok, calls) in out.items())
+              + f"  [{time.perf_counter() - t0:.0f} s]", flush=True)
+        return out
+
+    before = evaluate("SFT")
     algo = get_algorithm("grpo")
-    specs = {"tool": EnvSpec("multiply_tools", {**TOOLS["env"]}),
-             "no_tool": EnvSpec("multiply_tools", {**TOOLS["env"], "tools": ()})}
-    cfg = RolloutConfig(r["max_new_tokens"], r["temperature"], r["max_turns"])
-    for it in range(r["iterations"]):
+    specs = {c: EnvSpec("multiply_tools", {**cfg.env, "tools": CONDITION_TOOLS[c]}) for c in cfg.conditions}
+    rollout = RolloutConfig(cfg.max_new_tokens, cfg.temperature, cfg.max_turns)
+    for it in range(cfg.rl_iterations):
         rng = random.Random(derived_seed(seed, "tool-tasks", it))
         groups, success = [], {}
-        for name, spec in specs.items():  # both conditions get the same RL budget
+        for name, spec in specs.items():  # every condition gets the same RL budget
             gen = torch.Generator().manual_seed(derived_seed(seed, "tool-sample", name, it))
-            g = run_groups(sampler, tok, spec, [rng.randrange(10_000_000) for _ in range(r["groups_per_batch"])],
-                           r["group_size"], cfg, gen)
-            success[name] = statistics.fmean(t.info["exact"] for grp in g for t in grp.trajectories)
+            g = run_groups(sampler, tok, spec, [rng.randrange(10_000_000) for _ in range(cfg.groups_per_batch)],
+                           cfg.group_size, rollout, gen)
+            success[name] = statistics.fmean(exact(t) for grp in g for t in grp.trajectories)
             groups += g
         datums = rl_datums(groups, algo.advantages)
         if datums:
             learner.forward_backward(datums, algo.loss, LossConfig())
             learner.optim_step()
-        print(f"  RL iteration {it:>2}  train success with tools {success['tool']:.2f}, without "
-              f"{success['no_tool']:.2f}  informative groups {len(datums) // r['group_size']}  "
-              f"[{time.perf_counter() - t0:.0f} s]", flush=True)
-    after = {"tool": tool_eval(sampler, tok, ("calculator",), n, r["max_new_tokens"]),
-             "no_tool": tool_eval(sampler, tok, (), n, r["max_new_tokens"])}
+        print(f"  RL iteration {it:>2}  train success " + ", ".join(f"{c} {v:.2f}" for c, v in success.items())
+              + f"  informative groups {len(datums) // cfg.group_size}  [{time.perf_counter() - t0:.0f} s]",
+              flush=True)
+    after = evaluate("RL")
     return {"before": before, "after": after, "seconds": time.perf_counter() - t0}
 
 
@@ -222,6 +290,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["all", "tools", "race"], default="all")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--preset", choices=sorted(TOOLS_PRESETS), default="default",
+                        help="setting of the tools part (see TOOLS_PRESETS)")
     parser.add_argument("--race-lr", type=float, default=RACE["rl"]["learning_rate"])
     parser.add_argument("--race-kl", type=float, default=RACE["rl"]["kl_coef"])
     parser.add_argument("--race-pool", default=",".join(RACE["rl"]["scripted_opponents"]),
@@ -234,17 +304,28 @@ def main() -> None:
                       scripted_groups=args.race_pool_groups if pool else 0, iterations=args.race_iterations)
     torch.set_num_threads(1)
     result: dict = {}
-    tools = run_tools(args.seed) if args.part in ("all", "tools") else None
+    tools_cfg = TOOLS_PRESETS[args.preset]
+    tools = run_tools(tools_cfg, args.seed) if args.part in ("all", "tools") else None
     race = run_race(args.seed) if args.part in ("all", "race") else None
     print()
     if tools:
         b, a = tools["before"], tools["after"]
+        rows = {"tool": "  success with calculator", "no_tool": "  success without tools"}
         print(f"{'multiplication (held-out, greedy)':<36}{'after SFT':>10}{'after RL':>10}")
-        print(f"{'  success with calculator':<36}{b['tool'][0]:>10.2f}{a['tool'][0]:>10.2f}")
-        print(f"{'  success without tools':<36}{b['no_tool'][0]:>10.2f}{a['no_tool'][0]:>10.2f}")
-        print(f"{'  episodes that call a tool':<36}{b['tool'][1]:>10.2f}{a['tool'][1]:>10.2f}")
-        print(f"  ({tools['seconds'] / 60:.1f} min)")
-        result.update(tool_success=a["tool"][0], no_tool_success=a["no_tool"][0])
+        for c in tools_cfg.conditions:
+            print(f"{rows[c]:<36}{b[c][0]:>10.2f}{a[c][0]:>10.2f}")
+        if "tool" in tools_cfg.conditions:
+            print(f"{'  episodes that call a tool':<36}{b['tool'][1]:>10.2f}{a['tool'][1]:>10.2f}")
+        print(f"  (preset {args.preset}: {tools_cfg.sft_steps} SFT steps, {tools_cfg.rl_iterations} GRPO iterations, "
+              f"{tools_cfg.eval_tasks} held-out problems, seed {args.seed}; {tools['seconds'] / 60:.1f} min)")
+        result.update(tools_preset=args.preset, tools_seed=args.seed, tools_sft_steps=tools_cfg.sft_steps,
+                      tools_rl_iterations=tools_cfg.rl_iterations, tools_eval_tasks=tools_cfg.eval_tasks,
+                      tools_minutes=round(tools["seconds"] / 60, 1))
+        if "tool" in tools_cfg.conditions:
+            result.update(tools_sft=b["tool"][0], tools_rl=a["tool"][0], tools_gain=a["tool"][0] - b["tool"][0],
+                          tool_success=a["tool"][0])
+        if "no_tool" in tools_cfg.conditions:
+            result.update(no_tool_success=a["no_tool"][0])
     if race:
         curve = race["curve"]
         print(f"{'win rate vs ' + RACE['opponent'] + ' player':<36}" + "".join(f"{'it ' + str(i):>8}" for i, _ in curve))

@@ -12,6 +12,16 @@ import torch
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
+@pytest.fixture(autouse=True)
+def _same_global_rng_state():
+    """Every test starts from the global RNGs (python, numpy, torch) seeded with 0, whatever ran
+    before it. What draws from them (an adapter built without `init_seed`, a `torch.randn`)
+    otherwise depends on which tests ran first, so a test could pass alone and fail after others."""
+    from tinker_pipelines.checkpoint import seed_everything
+
+    seed_everything(0)
+
+
 @pytest.fixture(scope="session")
 def _tiny_pristine():
     from tinker_pipelines.models import load_model

@@ -174,6 +174,8 @@ class LeanLlamaDecoder:
         per row (`set_adapters`), so rows of different adapters share each base matmul."""
         self.base_only = base_only
         self.lora: list[list[list]] | None = None
+        self.stacked: list[list] | None = None
+        self._factors_for: tuple[int, ...] | None = None
         self.row_adapter: list[int] = []
         self.segments: list[tuple[int, int, int]] = []
         self.causal = unwrap_causal_lm(model)
@@ -323,7 +325,7 @@ class LeanLlamaDecoder:
             if any(f is False for layer in per_layer for f in layer):
                 return False
             lora.append(per_layer)
-        self.lora = lora
+        self.lora, self._factors_for = lora, None
         self._set_rows(list(row_adapter))
         return True
 
@@ -335,12 +337,39 @@ class LeanLlamaDecoder:
                 segs.append((start, i, row_adapter[start]))
                 start = i
         self.segments = segs
+        self.stacked = self._stack() if self.lora is not None and len(segs) > 1 else None
+
+    def _stack(self) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]]:
+        """Per layer and linear group, the batch's adapters side by side (A [R, in], B [out, R]) and
+        a row mask [B, R] keeping each row's own block: two matmuls however many adapters share
+        the batch (a per-segment pair each was dispatch-bound on small models); the other
+        adapters' blocks add exact zeros."""
+        present = tuple(sorted(set(self.row_adapter)))
+        if self._factors_for != present:  # rows finishing (select) keep the set: only the masks change
+            self._factors_for, self._factors = present, [[self._side_by_side(present, li, g) for g in range(4)]
+                                                         for li in range(len(self.groups))]
+        rows_B = torch.tensor(self.row_adapter)
+        return [[None if f is None else (f[0], f[1], (rows_B[:, None] == f[2][None, :]).to(f[0].device, f[0].dtype))
+                 for f in per] for per in self._factors]
+
+    def _side_by_side(self, present: tuple[int, ...], li: int, g: int):
+        """(A [R, in], B [out, R], the adapter owning each of the R columns) of `present`, or None."""
+        fs = [(k, self.lora[k][li][g]) for k in present if self.lora[k][li][g] is not None]
+        if not fs:
+            return None
+        owner_R = torch.cat([torch.full((f[0].shape[0],), k) for k, f in fs])
+        return torch.cat([f[0] for _, f in fs]), torch.cat([f[1] for _, f in fs], dim=1), owner_R
 
     def _lin(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None], layer: int, group: int) -> torch.Tensor:
-        """The fused linear `wb` on `x` [B, ..., in], plus each row segment's own adapter delta
-        (a base-only decoder): the base matmul runs once over every row."""
+        """The fused linear `wb` on `x` [B, ..., in], plus each row's own adapter delta (a
+        base-only decoder): the base matmul runs once over every row."""
         y = F.linear(x, *wb)
-        if self.lora is not None:
+        if self.stacked is not None:
+            f = self.stacked[layer][group]
+            if f is not None:
+                mask = f[2].view(x.shape[0], *([1] * (x.dim() - 2)), -1)
+                y += F.linear(F.linear(x, f[0]) * mask, f[1])
+        elif self.lora is not None:
             for s, e, k in self.segments:
                 f = self.lora[k][layer][group]
                 if f is not None:

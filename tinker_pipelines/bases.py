@@ -67,7 +67,7 @@ def check_same_base(record: dict[str, Any], sft_record: dict[str, Any] | None, p
 def register_base(tracker: Any, run_id: str, experiment: str, local_dir: str | Path) -> str:
     """Register the SFT base written at `local_dir` (`Experiment.save_base`) as a version of
     `sft_model_name(experiment)`; idempotent per content hash. Returns the version."""
-    record = read_record(local_dir, verify=True)
+    record = read_record(local_dir, verify=False)  # just written; every load verifies its files
     return tracker.register_adapter(run_id, sft_model_name(experiment), local_dir, "sft_base", tags={
         "partition": experiment, "content_hash": record["content_hash"], "tinker.experiment": experiment,
         "tinker.kind": SFT_KIND, "base_model": record.get("base_model", "")})
@@ -107,8 +107,10 @@ def resolve_base(record: dict[str, Any], cfg: Config, experiment: str, cache_dir
     """(what `load_model` takes, `base_identity`) of the base the checkpoint with `record` needs.
 
     A catalogue base is its name. A warm start is looked up by its content hash: the registered
-    version (downloaded once into `cache_dir/<hash>` and verified), else the experiment's SFT in
-    the artifact store when its hash is the same. Raises `BaseMissing` naming the hash otherwise.
+    version (downloaded once into `cache_dir/<hash>`), else the experiment's SFT in the artifact
+    store when its hash is the same. Raises `BaseMissing` naming the hash otherwise. Only the
+    records are read here: whatever loads the directory (`load_model`, `Experiment.use_base`, a
+    worker) verifies its files against them, so a large base is hashed once, not twice.
     """
     base = recorded_base(record, cfg)
     if "sft_content_hash" not in base:
@@ -125,7 +127,7 @@ def resolve_base(record: dict[str, Any], cfg: Config, experiment: str, cache_dir
     key = f"{experiment}/sft"
     if store is not None and store.exists(key):
         path = store.local_dir(key)
-        got = read_record(path, verify=True).get("content_hash")
+        got = read_record(path, verify=False).get("content_hash")
         if want is None or got == want:
             return str(Path(path).resolve()), base_identity(str(path))
     where = f"registered as {sft_model_name(experiment)}" + (" or in the artifact store" if store is not None else "")
@@ -142,6 +144,6 @@ def _has_base(path: Path, want: str) -> bool:
 
 
 def _check_base(path: Path, want: str, what: str) -> None:
-    got = read_record(path, verify=True).get("content_hash")
+    got = read_record(path, verify=False).get("content_hash")
     if got != want:
         raise CheckpointError(f"{what} at {path} hashes to {got}, not the {want} its adapter was trained on")

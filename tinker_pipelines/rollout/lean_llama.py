@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, rotate_half
 
+from tinker_pipelines.rollout.mixed_lora import RowAdapters
+
 
 def unwrap_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """The causal LM inside a PEFT wrapper (its LoRA layers stay injected), else `model`."""
@@ -70,38 +72,6 @@ def linear_params(module: torch.nn.Module, base_only: bool = False) -> tuple[tor
             return None
         weight = weight + module.get_delta_weight(name).to(weight.dtype)
     return weight, base.bias
-
-
-def lora_factors(modules: list[torch.nn.Module], name: str) -> tuple[torch.Tensor, torch.Tensor] | None | bool:
-    """Adapter `name`'s update of the fused linear `modules` as two matrices (A [R, in], B [out, R],
-    the scaling folded into B; B is block-diagonal over the modules), so that the fused output
-    gains `x @ A.T @ B.T`. None when no module has the adapter; False when it is not a vanilla
-    LoRA (DoRA or another variant, a LoRA bias, dropout), which only its own forward can run."""
-    As, Bs, outs = [], [], []
-    for m in modules:
-        out_features = m.out_features if hasattr(m, "out_features") else m.weight.shape[0]
-        outs.append(out_features)
-        if name not in getattr(m, "lora_A", {}):
-            Bs.append(None)
-            continue
-        if name in getattr(m, "lora_variant", {}) or getattr(m, "lora_bias", {}).get(name, False):
-            return False
-        dropout = m.lora_dropout[name]
-        if not (isinstance(dropout, torch.nn.Identity) or getattr(dropout, "p", 1) == 0):
-            return False
-        As.append(m.lora_A[name].weight)
-        Bs.append(m.lora_B[name].weight * m.scaling[name])
-    if not As:
-        return None
-    A = torch.cat(As)
-    B = A.new_zeros((sum(outs), A.shape[0]))
-    row = col = 0
-    for b, n_out in zip(Bs, outs):
-        if b is not None:
-            B[row:row + n_out, col:col + b.shape[1]] = b
-            col += b.shape[1]
-        row += n_out
-    return A, B
 
 
 def _fuse(modules: list[torch.nn.Module], base_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -173,11 +143,7 @@ class LeanLlamaDecoder:
         """`base_only`: the fused weights are the frozen base alone and LoRA adapters are added
         per row (`set_adapters`), so rows of different adapters share each base matmul."""
         self.base_only = base_only
-        self.lora: list[list[list]] | None = None
-        self.stacked: list[list] | None = None
-        self._factors_for: tuple[int, ...] | None = None
-        self.row_adapter: list[int] = []
-        self.segments: list[tuple[int, int, int]] = []
+        self.adapters: RowAdapters | None = None
         self.causal = unwrap_causal_lm(model)
         inner = self.causal.model
         cfg = self.causal.config
@@ -318,62 +284,15 @@ class LeanLlamaDecoder:
         """Rows decode with adapter `names[row_adapter[i]]` (None: the bare base); base-only
         decoders only. False, and nothing set, when an adapter is not a vanilla LoRA."""
         assert self.base_only and self.fused is not None
-        lora = []
-        for name in names:
-            per_layer = [[lora_factors(g, name) for g in groups] if name is not None else [None] * 4
-                         for groups in self.groups]
-            if any(f is False for layer in per_layer for f in layer):
-                return False
-            lora.append(per_layer)
-        self.lora, self._factors_for = lora, None
-        self._set_rows(list(row_adapter))
-        return True
-
-    def _set_rows(self, row_adapter: list[int]) -> None:
-        self.row_adapter = row_adapter
-        segs, start = [], 0
-        for i in range(1, len(row_adapter) + 1):
-            if i == len(row_adapter) or row_adapter[i] != row_adapter[start]:
-                segs.append((start, i, row_adapter[start]))
-                start = i
-        self.segments = segs
-        self.stacked = self._stack() if self.lora is not None and len(segs) > 1 else None
-
-    def _stack(self) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]]:
-        """Per layer and linear group, the batch's adapters side by side (A [R, in], B [out, R]) and
-        a row mask [B, R] keeping each row's own block: two matmuls however many adapters share
-        the batch (a per-segment pair each was dispatch-bound on small models); the other
-        adapters' blocks add exact zeros."""
-        present = tuple(sorted(set(self.row_adapter)))
-        if self._factors_for != present:  # rows finishing (select) keep the set: only the masks change
-            self._factors_for, self._factors = present, [[self._side_by_side(present, li, g) for g in range(4)]
-                                                         for li in range(len(self.groups))]
-        rows_B = torch.tensor(self.row_adapter)
-        return [[None if f is None else (f[0], f[1], (rows_B[:, None] == f[2][None, :]).to(f[0].device, f[0].dtype))
-                 for f in per] for per in self._factors]
-
-    def _side_by_side(self, present: tuple[int, ...], li: int, g: int):
-        """(A [R, in], B [out, R], the adapter owning each of the R columns) of `present`, or None."""
-        fs = [(k, self.lora[k][li][g]) for k in present if self.lora[k][li][g] is not None]
-        if not fs:
-            return None
-        owner_R = torch.cat([torch.full((f[0].shape[0],), k) for k, f in fs])
-        return torch.cat([f[0] for _, f in fs]), torch.cat([f[1] for _, f in fs], dim=1), owner_R
+        self.adapters = RowAdapters.build(self.groups, names, row_adapter)
+        return self.adapters is not None
 
     def _lin(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None], layer: int, group: int) -> torch.Tensor:
         """The fused linear `wb` on `x` [B, ..., in], plus each row's own adapter delta (a
         base-only decoder): the base matmul runs once over every row."""
         y = F.linear(x, *wb)
-        if self.stacked is not None:
-            f = self.stacked[layer][group]
-            if f is not None:
-                mask = f[2].view(x.shape[0], *([1] * (x.dim() - 2)), -1)
-                y += F.linear(F.linear(x, f[0]) * mask, f[1])
-        elif self.lora is not None:
-            for s, e, k in self.segments:
-                f = self.lora[k][layer][group]
-                if f is not None:
-                    y[s:e] += F.linear(F.linear(x[s:e], f[0]), f[1])
+        if self.adapters is not None:
+            self.adapters.add_delta(y, x, layer, group)
         return y
 
     def store(self, prompts: list[tuple[int, ...]], fingerprint: tuple) -> PromptStore:
@@ -388,8 +307,8 @@ class LeanLlamaDecoder:
         self.mask_B11S = self.mask_B11S.index_select(0, keep_idx)
         self.cos_BTD = self.cos_BTD.index_select(0, keep_idx)
         self.sin_BTD = self.sin_BTD.index_select(0, keep_idx)
-        if self.lora is not None:
-            self._set_rows([self.row_adapter[i] for i in keep_idx.tolist()])
+        if self.adapters is not None:
+            self.adapters.keep(keep_idx.tolist())
 
     @torch.inference_mode()
     def step(self, tok_B: torch.Tensor, t: int) -> torch.Tensor:

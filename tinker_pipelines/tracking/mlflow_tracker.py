@@ -261,7 +261,8 @@ class Tracker:
         same = {"partition": tags["partition"], "content_hash": tags["content_hash"]} \
             if "partition" in tags and "content_hash" in tags else None
         if same:
-            existing = self.find_version(name, **same)
+            # the oldest: a newer one may be a racing writer's, about to be deleted
+            existing = self.find_version(name, oldest=True, **same)
             if existing is not None:
                 for key in (CHECKS_TAG, CHECKS_FAILED_TAG):
                     if key in tags and existing.tags.get(key) != tags[key]:

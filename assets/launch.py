@@ -22,16 +22,17 @@ __all__ = ["eval_due", "iteration_assets", "main", "resume_iterations", "rl_run_
 
 def run_iterations(instance: dg.DagsterInstance, experiment: str, config: dict[str, Any],
                    start: int = 0, stop: int | None = None, raise_on_error: bool = True,
-                   auto_continue: bool = False) -> list:
+                   auto_continue: bool = False, log_level: str = "DEBUG") -> list:
     """Execute the `rl` job for iterations `start..stop-1` (default: all configured).
 
     `auto_continue=False` (the default) keeps the continue_training sensor from also launching
-    the next iteration when a daemon runs against the same instance."""
+    the next iteration when a daemon runs against the same instance. `log_level` is the console
+    logger's (the event log keeps every event either way)."""
     from tinker_pipelines.definitions import rl_job
 
     stop = stop if stop is not None else total_iterations(config)
     job = dg.reconstructable(rl_job)
-    run_config = rl_run_config(config, auto_continue)
+    run_config = {**rl_run_config(config, auto_continue), **_console(log_level)}
     results = []
     for k in range(start, stop):
         key = iteration_key(experiment, k)
@@ -81,14 +82,18 @@ def _materialized(instance: dg.DagsterInstance, partition: str) -> bool:
     return bool(instance.fetch_materializations(filt, limit=1).records)
 
 
-def run_sft(instance: dg.DagsterInstance, experiment: str, config: dict[str, Any]) -> bool:
+def _console(log_level: str) -> dict[str, Any]:
+    return {"loggers": {"console": {"config": {"log_level": log_level}}}}
+
+
+def run_sft(instance: dg.DagsterInstance, experiment: str, config: dict[str, Any], log_level: str = "DEBUG") -> bool:
     """Execute the `sft` job (the warm start) for `experiment`; True on success."""
     from assets.partitions import EXPERIMENTS, check_experiment
     from tinker_pipelines.definitions import sft_job
 
     check_experiment(experiment)
     ensure_partition(instance, EXPERIMENTS, experiment)
-    run_config = {"ops": {"sft_checkpoint": {"config": config}}}
+    run_config = {"ops": {"sft_checkpoint": {"config": config}}, **_console(log_level)}
     with dg.execute_job(dg.reconstructable(sft_job), instance, run_config=run_config,
                         tags={"dagster/partition": experiment, EXPERIMENT_TAG: experiment},
                         raise_on_error=True) as result:

@@ -17,7 +17,7 @@ import multiprocessing as mp
 import time
 
 
-def _status_mb(field: str) -> float:
+def status_mb(field: str) -> float:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -25,7 +25,7 @@ def _status_mb(field: str) -> float:
     raise KeyError(field)
 
 
-def _reset_peak() -> None:
+def reset_peak() -> None:
     # Writing 5 to clear_refs resets VmHWM, so the peak excludes the (larger) GGUF load.
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -43,8 +43,8 @@ def _one_mode(mode: str, model_name: str, batch: int, tokens: int, steps: int, m
     import gc
 
     gc.collect()
-    _reset_peak()
-    after_load = _status_mb("VmRSS")
+    reset_peak()
+    after_load = status_mb("VmRSS")
     gen = torch.Generator().manual_seed(0)
     prompt = tokens // 2
     datums = []
@@ -62,7 +62,7 @@ def _one_mode(mode: str, model_name: str, batch: int, tokens: int, steps: int, m
         learner.forward_backward(datums, loss_fn, loss_cfg)
         learner.optim_step()
         times.append(time.perf_counter() - start)
-    peak = _status_mb("VmHWM")
+    peak = status_mb("VmHWM")
     trainable = sum(p.numel() for p in learner.params)
     queue.put({"mode": mode, "peak_mb": peak, "after_load_mb": after_load, "step_s": min(times[1:]),
                "trainable": trainable})

@@ -172,3 +172,21 @@ def test_advantages():
 def test_unknown_algorithm_names_the_field():
     with pytest.raises(ValueError, match="algorithm.name 'reinforce9'"):
         get_algorithm("reinforce9")
+
+
+def test_sequence_mean_with_untrained_rows_is_finite_and_micro_batches_add_up():
+    """A row without trained tokens (weights all 0) counts as a zero sequence: a micro-batch of only
+    such rows gives 0, not the NaN of an empty mean, and micro-batches scaled by
+    `micro_batch_share` add up to the whole batch's mean."""
+    from tinker_pipelines.algorithms.losses import masked_mean, micro_batch_share
+
+    x_BT = torch.tensor([[1.0, 3.0], [5.0, 7.0], [2.0, 4.0], [6.0, 8.0]])
+    w_BT = torch.tensor([[0.0, 0.0], [0.0, 0.0], [1.0, 1.0], [1.0, 0.0]])
+    whole = masked_mean(x_BT, w_BT, "sequence")
+    assert whole.item() == (3.0 + 6.0) / 4
+    first = masked_mean(x_BT[:2], w_BT[:2], "sequence")
+    assert first.item() == 0.0
+    parts = sum(masked_mean(x_BT[s:s + 2], w_BT[s:s + 2], "sequence")
+                * micro_batch_share("sequence", float(w_BT[s:s + 2].sum()), float(w_BT.sum()), 2, 4)
+                for s in (0, 2))
+    assert torch.isclose(parts, whole)

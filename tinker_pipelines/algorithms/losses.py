@@ -111,8 +111,10 @@ def masked_mean(x_BT: torch.Tensor, w_BT: torch.Tensor, normalization: str = "to
         if not max_tokens or max_tokens < 1:
             raise ValueError(f"'constant' normalization needs max_tokens >= 1, got {max_tokens!r}")
         return (x_BT * w_BT).sum() / (x_BT.shape[0] * max_tokens)
+    # A row without trained tokens counts as a zero: the mean is then over all B rows, as
+    # `micro_batch_share` assumes, and a micro-batch of such rows gives 0, not the NaN of an empty mean.
     per_seq_B = (x_BT * w_BT).sum(-1) / w_BT.sum(-1).clamp(min=1e-8)
-    return per_seq_B[w_BT.sum(-1) > 0].mean()
+    return per_seq_B.sum() / x_BT.shape[0]
 
 
 def _reduce(x_BT: torch.Tensor, w_BT: torch.Tensor, cfg: LossConfig) -> torch.Tensor:

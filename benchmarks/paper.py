@@ -1,6 +1,6 @@
 """The paper's results table, reproduced on this machine, side by side with the paper's figures.
 
-    python -m benchmarks.paper                      # all three parts (CPU: ~45 min on 2 cores)
+    python -m benchmarks.paper                      # all three parts (2 CPU cores: ~50 min)
     python -m benchmarks.paper --part tools         # LoRA-PPO vs full-parameter PPO only
     python -m benchmarks.paper --part curves        # one seeded experiment through three entry points
     python -m benchmarks.paper --part race          # the two-agent game, two seeds
@@ -249,7 +249,7 @@ def report(tools: dict | None, curves: dict | None, race: dict | None, target: f
         print("  train success per iteration: LoRA " + " ".join(f"{r:.2f}" for _, r, _, _ in lora["curve"])
               + " | full " + " ".join(f"{r:.2f}" for _, r, _, _ in full["curve"]))
         result.update(lora_success=lora["after"], full_success=full["after"],
-                      success_before=lora["before"], comparable=abs(lora["after"] - full["after"]) <= 0.05,
+                      success_before=lora["before"], comparable=round(abs(lora["after"] - full["after"]), 9) <= 0.05,
                       time_to_target_ratio=None if ttt is None else round(ttt, 3),
                       lora_time_to_target_s=lora["time_to_target_s"], full_time_to_target_s=full["time_to_target_s"],
                       memory_ratio=round(mem, 3), lora_peak_mb=round(lora["peak_mb"]),

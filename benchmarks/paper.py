@@ -132,12 +132,30 @@ def run_tools(seed: int, iterations: int, eval_tasks: int, target: float) -> dic
         procs = [ctx.Process(target=_train_mode, args=(tools_config(mode, base, os.path.join(tmp, mode), seed,
                                                                     iterations, eval_tasks), target, queue))
                  for mode in ("lora", "full")]
-        for p in procs:
-            p.start()
-        results = {r["mode"]: r for r in (queue.get() for _ in procs)}
-        for p in procs:
-            p.join()
+        results = {r["mode"]: r for r in _gather(procs, queue)}
     return results
+
+
+def _gather(procs: list, queue) -> list:
+    """Start `procs`, and collect one result from each; a child that dies without one is an error,
+    not a wait for ever."""
+    import queue as queues
+
+    for p in procs:
+        p.start()
+    out = []
+    while len(out) < len(procs):
+        try:
+            out.append(queue.get(timeout=10))
+        except queues.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"a benchmark process died (exit code {dead[0].exitcode}); see its output above")
+    for p in procs:
+        p.join()
+    return out
 
 
 # -- 2. identical curves --------------------------------------------------------------------------
@@ -214,13 +232,7 @@ def run_two_agents(seeds: list[int], iterations: int) -> dict:
     print(f"== two agents, race game, seeds {seeds} side by side ==", flush=True)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_race, args=(s, iterations, queue)) for s in seeds]
-    for p in procs:
-        p.start()
-    out = dict(queue.get() for _ in procs)
-    for p in procs:
-        p.join()
-    return out
+    return dict(_gather([ctx.Process(target=_race, args=(s, iterations, queue)) for s in seeds], queue))
 
 
 # -- the table --------------------------------------------------------------------------------------

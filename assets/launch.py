@@ -22,12 +22,13 @@ __all__ = ["eval_due", "iteration_assets", "main", "resume_iterations", "rl_run_
 
 def run_iterations(instance: dg.DagsterInstance, experiment: str, config: dict[str, Any],
                    start: int = 0, stop: int | None = None, raise_on_error: bool = True,
-                   auto_continue: bool = False, log_level: str = "DEBUG") -> list:
+                   auto_continue: bool = False, log_level: str | None = None) -> list:
     """Execute the `rl` job for iterations `start..stop-1` (default: all configured).
 
     `auto_continue=False` (the default) keeps the continue_training sensor from also launching
-    the next iteration when a daemon runs against the same instance. `log_level` is the console
-    logger's (the event log keeps every event either way)."""
+    the next iteration when a daemon runs against the same instance. `log_level` sets the console
+    logger's level (the event log keeps every event either way); None leaves the run config
+    without a `loggers` section, as the sensors' runs that copy it expect."""
     from tinker_pipelines.definitions import rl_job
 
     stop = stop if stop is not None else total_iterations(config)
@@ -82,11 +83,11 @@ def _materialized(instance: dg.DagsterInstance, partition: str) -> bool:
     return bool(instance.fetch_materializations(filt, limit=1).records)
 
 
-def _console(log_level: str) -> dict[str, Any]:
-    return {"loggers": {"console": {"config": {"log_level": log_level}}}}
+def _console(log_level: str | None) -> dict[str, Any]:
+    return {"loggers": {"console": {"config": {"log_level": log_level}}}} if log_level else {}
 
 
-def run_sft(instance: dg.DagsterInstance, experiment: str, config: dict[str, Any], log_level: str = "DEBUG") -> bool:
+def run_sft(instance: dg.DagsterInstance, experiment: str, config: dict[str, Any], log_level: str | None = None) -> bool:
     """Execute the `sft` job (the warm start) for `experiment`; True on success."""
     from assets.partitions import EXPERIMENTS, check_experiment
     from tinker_pipelines.definitions import sft_job

@@ -191,7 +191,8 @@ def run_curves() -> dict:
                   and all(run_iterations(instance, "paper-curves", CURVES, log_level="WARNING")))
         t = defs.resources["mlflow"].tracker()
         run_id = t.find_run("paper-curves")
-        dagster = [{k: dict(t.history(run_id, k)).get(i) for k in row} for i, row in enumerate(plain)] if ok else []
+        logged = {k: dict(t.history(run_id, k)) for k in set().union(*plain)} if ok else {}  # one read per metric
+        dagster = [{k: logged[k].get(i) for k in row} for i, row in enumerate(plain)] if ok else []
         worker_out = Path(home) / "on_worker"
         shutil.copytree(plain_out / "sft", worker_out / "sft")  # the worker serves the warm start
         address = Path(home) / "w.sock"
@@ -207,9 +208,9 @@ def run_curves() -> dict:
             proc.wait(timeout=30)
     finally:
         shutil.rmtree(home, ignore_errors=True)
-    keys = sorted(plain[0])
+    keys = sorted(set().union(*plain))  # evaluation metrics appear only on the iterations that evaluate
     diff = {name: max((abs(a[k] - b[k]) if b.get(k) is not None else float("inf"))
-                      for a, b in zip(plain, other) for k in keys) if len(other) == len(plain) else float("inf")
+                      for a, b in zip(plain, other) for k in a) if len(other) == len(plain) else float("inf")
             for name, other in (("dagster", dagster), ("worker", on_worker))}
     return {"plain": plain, "dagster": dagster, "worker": on_worker, "max_abs_diff": diff, "keys": keys,
             "identical": all(d == 0 for d in diff.values())}

@@ -114,7 +114,7 @@ def masked_mean(x_BT: torch.Tensor, w_BT: torch.Tensor, normalization: str = "to
     # A row without trained tokens counts as a zero: the mean is then over all B rows, as
     # `micro_batch_share` assumes, and a micro-batch of such rows gives 0, not the NaN of an empty mean.
     per_seq_B = (x_BT * w_BT).sum(-1) / w_BT.sum(-1).clamp(min=1e-8)
-    return per_seq_B.sum() / x_BT.shape[0]
+    return per_seq_B.mean()
 
 
 def _reduce(x_BT: torch.Tensor, w_BT: torch.Tensor, cfg: LossConfig) -> torch.Tensor:

@@ -1,0 +1,76 @@
+"""Drawing one token per row from a batch of logits: `sample_tokens`, the sampler's per-step draw
+(greedy, temperature and top-k / top-p / min-p truncation, by inverting the CDF with one uniform
+per row)."""
+
+from __future__ import annotations
+
+import torch
+
+from tinker_pipelines.rollout.truncation import is_active, keep_mask
+
+
+def sample_tokens(logits_BV: torch.Tensor, temperature: float | torch.Tensor,
+                  generator: torch.Generator | None = None,
+                  uniforms_B: torch.Tensor | None = None, *, top_k: int | torch.Tensor = 0,
+                  top_p: float | torch.Tensor = 1.0,
+                  min_p: float | torch.Tensor = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row; return (tokens_B, logprobs_B). Temperature 0 is greedy.
+
+    `temperature`, `top_k`, `top_p` and `min_p` are one value or one per row (`truncation`:
+    0 / 1.0 / 0.0 switch a row's truncation off). A sampled row draws from softmax(logits / T)
+    truncated and renormalized, and its logprob is that distribution's; a greedy row takes the
+    argmax (truncation cannot change it) and reports its logprob at temperature 1, untruncated.
+    Sampling inverts the CDF with one uniform per row (cumsum + searchsorted), ~10x cheaper on
+    CPU than `torch.multinomial` at vocab 8k+; the uniforms are `uniforms_B`, else drawn from
+    `generator` on its own device and moved to the logits' device (so a CPU generator gives the
+    same draws whatever device the model is on). The search is right-sided: a uniform of exactly
+    0 picks the first token with probability mass, never a zero-probability one; a uniform whose
+    scaled value rounds up to the total mass picks the last token with mass (not the last token).
+    """
+    logits_BV = logits_BV.float()
+    B, V = logits_BV.shape
+    truncation = (top_k, top_p, min_p) if is_active(top_k, top_p, min_p) else None
+    if isinstance(temperature, torch.Tensor):
+        temp_B = temperature.to(logits_BV.device, torch.float32)
+        greedy_B = temp_B.eq(0)
+        if not greedy_B.any():
+            temperature = 1.0 if bool(temp_B.eq(1).all()) else temp_B[:, None]
+        elif bool(greedy_B.all()):
+            temperature = 0.0
+        else:
+            scaled = logits_BV / torch.where(greedy_B, 1.0, temp_B)[:, None]
+            return _invert_cdf(torch.log_softmax(scaled, dim=-1), generator, uniforms_B, greedy_B, truncation)
+    if isinstance(temperature, (int, float)) and temperature == 0:
+        logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
+        tokens_B = logprobs_BV.argmax(dim=-1)
+        return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+    scaled = logits_BV if isinstance(temperature, (int, float)) and temperature == 1 else logits_BV / temperature
+    return _invert_cdf(torch.log_softmax(scaled, dim=-1), generator, uniforms_B, None, truncation)
+
+
+def _invert_cdf(logprobs_BV: torch.Tensor, generator: torch.Generator | None, uniforms_B: torch.Tensor | None,
+                greedy_B: torch.Tensor | None, truncation: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    B, V = logprobs_BV.shape
+    if uniforms_B is None:
+        device = generator.device if generator is not None else "cpu"
+        uniforms_B = torch.rand(B, generator=generator, device=device)
+    probs_BV = logprobs_BV.exp()
+    if truncation is not None:  # the kept tokens' mass, renormalized through the CDF's total
+        keep_BV = keep_mask(logprobs_BV, *truncation)
+        if greedy_B is not None:
+            keep_BV |= greedy_B[:, None]
+        probs_BV = probs_BV * keep_BV
+    cdf_BV = probs_BV.cumsum(dim=-1)
+    total_B1 = cdf_BV[:, -1:].contiguous()
+    u_B1 = uniforms_B.to(logprobs_BV.device)[:, None] * total_B1
+    tokens_B = torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(1)
+    # u * total may round up to total (u the largest float below 1): the last token with mass,
+    # the first one whose cumulative sum reaches the total (trailing tokens may have none)
+    tokens_B = torch.minimum(tokens_B, torch.searchsorted(cdf_BV, total_B1).squeeze(1))
+    if greedy_B is not None:
+        tokens_B = torch.where(greedy_B, logprobs_BV.argmax(dim=-1), tokens_B)
+    lp_B = logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+    if truncation is not None:  # log of the renormalized distribution (greedy rows: untruncated)
+        renorm_B = lp_B - total_B1.squeeze(1).log()
+        lp_B = renorm_B if greedy_B is None else torch.where(greedy_B, lp_B, renorm_B)
+    return tokens_B, lp_B

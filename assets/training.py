@@ -70,7 +70,11 @@ class _Step:
             key = f"{self.name}/sft"
             return self.store.local_dir(key) if self.store.exists(key) else None
 
-        return self.engine.experiment(self.name, self.cfg, at, checkpoint, sft_base)
+        def checkpoint_hash(i: int):
+            ref = self.adapter(i)
+            return ref.content_hash if ref else None
+
+        return self.engine.experiment(self.name, self.cfg, at, checkpoint, sft_base, checkpoint_hash)
 
     def load(self, what: str):
         """An artifact an earlier step of this iteration wrote (`rollout.json`, `datums.json`): from

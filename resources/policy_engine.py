@@ -20,6 +20,7 @@ import dagster as dg
 
 from tinker_pipelines.config import Config
 from tinker_pipelines.experiment import Experiment
+from tinker_pipelines.scheduler.step_entry import STEP_PROCESS_ENV
 
 
 @dataclass
@@ -104,35 +105,63 @@ class PolicyEngine(dg.ConfigurableResource):
         return address
 
     def experiment(self, name: str, cfg: Config, at: int, checkpoint: Callable[[int], Path | None],
-                   sft_base: Callable[[], Path | None] = lambda: None) -> Experiment:
+                   sft_base: Callable[[], Path | None] = lambda: None,
+                   checkpoint_hash: Callable[[int], str | None] = lambda i: None) -> Experiment:
         """The experiment positioned at iteration `at` (iterations 0..at-1 already trained).
 
-        Reuses the resident one when it is exactly there; otherwise loads the base model (the
-        SFT checkpoint when `sft.steps` > 0) and resumes from `checkpoint(at - 1)`.
+        Reuses the resident one when it is exactly there; on a worker, the adapter a previous
+        step process parked there in that state (`checkpoint_hash(at - 1)`: the content hash of
+        iteration at-1's checkpoint); otherwise loads the base model (the SFT checkpoint when
+        `sft.steps` > 0) and resumes from `checkpoint(at - 1)`.
         """
         with _LOCK:
             entry = _CACHE.get(name)
             if entry is not None and entry.cfg == cfg and entry.exp.iteration == at and entry.exp.learner is not None:
                 return entry.exp
-            exp = self._load(cfg, at, checkpoint, sft_base, name)
+            exp = self._load(cfg, at, checkpoint, sft_base, name, checkpoint_hash)
             if self.keep_resident:
                 _CACHE[name] = _Entry(cfg, exp)
             return exp
 
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        """In a step process of `gpu_executor` (which exits after its step), park every resident
+        experiment on its worker in the state its last checkpoint holds, so that the next step
+        process takes it over instead of rebuilding it (`Experiment.resume_parked`). A step that
+        failed while updating the policy has evicted it already (`updating`): it is not parked."""
+        import os
+
+        if not os.environ.get(STEP_PROCESS_ENV):
+            return
+        with _LOCK:
+            parked = [e.exp for e in _CACHE.values() if e.exp.worker is not None]
+        for exp in parked:
+            try:
+                exp.park()
+            except Exception as e:  # noqa: BLE001 - the next step then rebuilds it from its checkpoint
+                context.log.warning(f"could not park experiment {exp.name!r} on its worker: {e}")
+        evict()
+
     def _load(self, cfg: Config, at: int, checkpoint: Callable[[int], Path | None],
-              sft_base: Callable[[], Path | None], name: str = "") -> Experiment:
+              sft_base: Callable[[], Path | None], name: str = "",
+              checkpoint_hash: Callable[[int], str | None] = lambda i: None) -> Experiment:
         base = sft_base() if cfg.sft.steps else None
         if cfg.sft.steps and base is None:
             raise RuntimeError(f"sft.steps is {cfg.sft.steps}: materialize sft_checkpoint (the `sft` job) first")
         address = self.worker_address(cfg, Path(base).resolve() if base is not None else None)
         if address is not None:
+            from tinker_pipelines.worker.client import NEVER_SAVED
+
             exp = Experiment(cfg, worker=address, name=name or None,
                              base=Path(base).resolve() if base is not None else None)
+            expected = checkpoint_hash(at - 1) if at > 0 else NEVER_SAVED
+            if expected and exp.resume_parked(at, expected):
+                return exp
         else:
             exp = Experiment(cfg)
         if base is not None and exp.worker is None:  # as train() does on resume: the warm-started weights replace the base
             exp.use_base(base)
-        exp.start_rl()
+        if exp.learner is None:  # (a worker's fresh adapter exists when no parked one matched)
+            exp.start_rl()
         if at > 0:
             path = checkpoint(at - 1)
             if path is None:

@@ -151,7 +151,7 @@ def test_rl_job_on_the_gpu_executor_with_a_worker(tmp_path):
     import torch
     import yaml
 
-    from tinker_pipelines.worker.client import start_worker
+    from tinker_pipelines.worker.client import WorkerClient, start_worker
 
     address = tmp_path / "w.sock"
     worker = start_worker("tiny", address, device="cpu", log=tmp_path / "worker.log",
@@ -179,6 +179,11 @@ def test_rl_job_on_the_gpu_executor_with_a_worker(tmp_path):
         assert {"rollout_batch", "scored_trajectories", "adapter_checkpoint"} <= granted
         assert all(e.needs.sharing == "lora" for e in events)
         assert not replay_audit(events, Inventory.from_config({"count": 1, "memory_gb": 16})).oversubscribed
+        # each step process parked the experiment's adapter; each later one took it over
+        probe = WorkerClient(address)
+        stats = probe.request("stats")
+        probe.close()
+        assert stats["parked"] == ["gx"] and stats["claims"] == 3, stats
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
         worker.wait(timeout=30)

@@ -158,6 +158,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         for name, v in (("--max-rows", args.max_rows), ("--max-lora-rank", args.max_lora_rank)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        if args.park_ttl_s < 0:
+            raise ValueError(f"--park-ttl-s must be >= 0, got {args.park_ttl_s:g}")
     except (ValueError, ImportError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -177,7 +179,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     model.requires_grad_(False)
     engine = Engine(model, tok.pad_token_id, stop_token_ids(tok), base_identity(args.model, kwargs, args.seed),
                     EngineConfig(batching=not args.no_batching, max_rows=args.max_rows, max_train_rows=args.max_train_rows,
-                                 max_lora_rank=args.max_lora_rank, exclusive=args.exclusive), tokenizer=tok)
+                                 max_lora_rank=args.max_lora_rank, exclusive=args.exclusive,
+                                 park_ttl_s=args.park_ttl_s), tokenizer=tok)
     try:
         WorkerServer(engine, socket.resolve(), window_s=args.window_ms / 1000).serve_forever()
     except OSError as e:
@@ -316,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="most sequences in one shared training pass (0: the largest experiment's micro-batch)")
     w.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank an experiment may use")
     w.add_argument("--exclusive", action="store_true", help="host one experiment, which may train every parameter")
+    w.add_argument("--park-ttl-s", type=float, default=600.0,
+                   help="how long an adapter a finished step process parked waits for the next one to claim it")
     w.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     w.add_argument("--import", dest="imports", action="append", default=[],
                    help="import this module first (custom algorithms registered there); repeatable")

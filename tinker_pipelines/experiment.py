@@ -173,8 +173,9 @@ class Experiment:
         dtype = resolve_dtype(self.cfg.model.dtype, device)
         self.base_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
 
-    def start_rl(self, adapter_path: str | Path | None = None) -> Learner:
-        """Build the RL learner over the (possibly warm-started) base model."""
+    def start_rl(self, adapter_path: str | Path | None = None, claim: str | None = None) -> Learner:
+        """Build the RL learner over the (possibly warm-started) base model. On a worker, `claim`
+        (`state_tag`) takes over the adapter a previous holder parked in that state, if any."""
         t = self.cfg.training
         # A pairwise loss sees whole (chosen, rejected) pairs only: micro-batches hold an even count.
         mb = max(2, t.micro_batch_size - t.micro_batch_size % 2) if self.algorithm.pairwise else t.micro_batch_size
@@ -193,7 +194,8 @@ class Experiment:
 
             if adapter_path is not None:
                 raise ConfigError("an adapter_path is loaded with resume() on a worker")
-            self.learner = RemoteLearner(self.worker, self.name, lcfg, seed=self.cfg.seed, base_name=self.cfg.model.name)
+            self.learner = RemoteLearner(self.worker, self.name, lcfg, seed=self.cfg.seed, base_name=self.cfg.model.name,
+                                         claim=claim)
             return self.learner
         if t.deepspeed.stage > 0:  # ZeRO data parallel over torchrun's ranks; deepspeed is imported only here
             from tinker_pipelines.deepspeed_learner import DeepSpeedLearner
@@ -299,6 +301,27 @@ class Experiment:
             self.start_rl()
         return self.learner.save_state(path, record)
 
+    def resume_parked(self, at: int, checkpoint_hash: str) -> bool:
+        """On a worker: take over this experiment's adapter where a previous holder parked it at
+        iteration `at`, holding the checkpoint with `checkpoint_hash` (that of iteration at-1, or
+        `NEVER_SAVED` at 0), instead of rebuilding it from that checkpoint. False when none was
+        parked in that state: the learner is then a fresh one (`resume` it from the checkpoint)."""
+        self.start_rl(claim=state_tag(at, checkpoint_hash))
+        if not self.learner.claimed:
+            return False
+        if self.learner.record is not None:
+            check_same_base(self.learner.record, self.sft_record, f"parked adapter {self.name!r}")
+        self.iteration = at
+        return True
+
+    def park(self) -> bool:
+        """On a worker: leave the adapter there for the next process of this experiment
+        (`resume_parked`) when its state is the checkpoint it was last saved to or loaded from."""
+        learner = self.learner
+        if self.worker is None or learner is None or learner.saved_hash is None:
+            return False
+        return learner.park(state_tag(self.iteration, learner.saved_hash))
+
     def resume(self, path: str | Path) -> dict[str, Any]:
         """Load a checkpoint made by `save`; the next iteration is the one after it."""
         if self.learner is None:
@@ -307,6 +330,11 @@ class Experiment:
         check_same_base(record, self.sft_record, path)
         self.iteration = int(record["iteration"])
         return record
+
+
+def state_tag(iteration: int, checkpoint_hash: str) -> str:
+    """Names a parked adapter's state: positioned at `iteration`, holding that checkpoint."""
+    return f"{iteration}:{checkpoint_hash}"
 
 
 def train_epochs(learner: "Learner", datums: list[Datum], loss_fn: LossFn, loss_cfg: LossConfig, epochs: int = 1,

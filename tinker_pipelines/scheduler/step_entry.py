@@ -22,22 +22,26 @@ from tinker_pipelines.scheduler.ledger import Ledger, LeaseOwner
 from tinker_pipelines.scheduler.placement import StepNeeds
 
 NEVER_FITS_EXIT = 3
+STEP_PROCESS_ENV = "TINKER_STEP_PROCESS"
+"""Set ("1") in the environment of every step process the GPU-aware handler starts: each runs one
+step and exits (the policy engine then parks its experiments on their workers)."""
 
 
 def lease_environment(ledger_path: str, inventory_json: str, needs_json: str, run_id: str,
                       step_key: str) -> dict[str, str]:
     """Take this process's lease (waiting as the ledger says) and return the variables that tell
-    the step its devices; {} for a step that needs none. Raises ValueError when the request can
-    never fit, TimeoutError when it waited longer than its timeout."""
+    the step its devices, and `STEP_PROCESS_ENV` (alone for a step that needs none). Raises
+    ValueError when the request can never fit, TimeoutError when it waited longer than its timeout."""
     spec_inventory = json.loads(inventory_json)  # the executor's inventory config, or null: detect
     spec = json.loads(needs_json)
     if spec is None:
-        return {}
+        return {STEP_PROCESS_ENV: "1"}
     inventory = Inventory.detect() if spec_inventory is None else Inventory.from_config(spec_inventory)
     needs = StepNeeds(**{k: spec[k] for k in ("devices", "memory_gb", "sharing")})
     lease = Ledger(ledger_path).acquire(LeaseOwner.current(run_id, step_key), needs, inventory,
                                         timeout_s=spec.get("timeout_s"), poll_s=spec.get("poll_s", 0.5))
-    env = {"TINKER_LEASE_DEVICES": ",".join(map(str, lease.devices)), "TINKER_LEASE_ID": str(lease.id)}
+    env = {STEP_PROCESS_ENV: "1", "TINKER_LEASE_DEVICES": ",".join(map(str, lease.devices)),
+           "TINKER_LEASE_ID": str(lease.id)}
     if all(inventory[i].kind == "cuda" for i in lease.devices):
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(inventory[i].index) for i in lease.devices)
     return env

@@ -85,17 +85,31 @@ def algorithm_name(loss_fn: LossFn) -> str:
                       "register it with `register_algorithm` in a module the worker imports (`--import MODULE`)")
 
 
+NEVER_SAVED = "untrained"
+"""`RemoteLearner.saved_hash` of an adapter that was neither trained nor loaded."""
+
+
 class RemoteLearner:
     """An experiment's adapter on a worker, with `Learner`'s interface."""
 
     model = None
     value_head = None
 
-    def __init__(self, client: WorkerClient, name: str, cfg: LearnerConfig, seed: int, base_name: str = ""):
+    def __init__(self, client: WorkerClient, name: str, cfg: LearnerConfig, seed: int, base_name: str = "",
+                 claim: str | None = None):
+        """Creates adapter `name` on the worker; with `claim`, takes over the adapter a previous
+        holder parked there with that state tag instead, when there is one (`claimed`)."""
         self.client, self.adapter_name, self.cfg, self.base_name = client, name, cfg, base_name
         self.device = torch.device("cpu")
-        client.request("create", name, name=name, learner=asdict(cfg), seed=seed, base_name=base_name)
-        self.steps = 0
+        out = client.request("create", name, name=name, learner=asdict(cfg), seed=seed, base_name=base_name,
+                             claim=claim)
+        self.claimed: bool = bool(out.get("claimed"))
+        self.record: dict[str, Any] | None = out.get("record")
+        """The record of the checkpoint the adapter was last saved to or loaded from (None: neither)."""
+        self.steps = int(out.get("steps", 0))
+        self.saved_hash: str | None = (self.record or {}).get("content_hash", NEVER_SAVED)
+        """Content hash of the checkpoint whose state the adapter holds: `NEVER_SAVED` while
+        untrained, None once trained past its last checkpoint (then it is not parked)."""
 
     def _call(self, what: str, **kwargs: Any) -> Any:
         return self.client.request("call", self.adapter_name, adapter=self.adapter_name, what=what, kwargs=kwargs)
@@ -106,10 +120,12 @@ class RemoteLearner:
     def forward_backward(self, datums: list[Datum], loss_fn: LossFn, loss_cfg: LossConfig = LossConfig()) -> dict[str, float]:
         if not datums:
             raise ValueError("forward_backward needs at least one datum")
+        self.saved_hash = None
         return self.client.request("forward_backward", self.adapter_name, adapter=self.adapter_name, datums=datums,
                                    algorithm=algorithm_name(loss_fn), loss_cfg=asdict(loss_cfg))["metrics"]
 
     def optim_step(self) -> dict[str, float]:
+        self.saved_hash = None
         out = self._call("optim_step")
         self.steps += 1
         return out
@@ -122,15 +138,28 @@ class RemoteLearner:
 
     def save_state(self, path: str | Path, record: dict[str, Any] | None = None,
                    extra_rng: dict[str, Any] | None = None) -> dict[str, Any]:
-        return self._call("save_state", path=str(Path(path).resolve()), record=record, extra_rng=extra_rng)
+        self.record = self._call("save_state", path=str(Path(path).resolve()), record=record, extra_rng=extra_rng)
+        self.saved_hash = self.record["content_hash"]
+        return self.record
 
     def verify_checkpoint(self, path: str | Path, probe_tokens: list[int]) -> dict[str, Any]:
         return self._call("verify_checkpoint", path=str(Path(path).resolve()), probe_tokens=list(probe_tokens))
 
     def load_state(self, path: str | Path) -> dict[str, Any]:
+        self.saved_hash = None  # until the load succeeded
         record = self._call("load_state", path=str(Path(path).resolve()))
         self.steps = int(record.get("learner_steps", 0))
+        self.record, self.saved_hash = record, record["content_hash"]
         return record
+
+    def park(self, tag: str) -> bool:
+        """Leave the adapter on the worker for the next holder that claims it with `tag` (the
+        next step process of this experiment); False, and nothing parked, when it was trained
+        past its last checkpoint (its state would be found in no checkpoint)."""
+        if self.saved_hash is None:
+            return False
+        self.client.request("park", self.adapter_name, name=self.adapter_name, tag=tag)
+        return True
 
 
 class RemoteSampler:

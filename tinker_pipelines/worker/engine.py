@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,10 +31,17 @@ class Hosted:
     """Its learner (adapter, optimizer, value head, step counter)."""
     generator: torch.Generator
     """Its own sampling RNG, for requests that bring none (saved in its checkpoints)."""
-    owner: int
-    """Id of the client connection that created it; it is dropped when that client goes away."""
+    owner: int | None
+    """Id of the client connection that holds it; it is dropped when that client goes away.
+    None while parked (`park`): then no client holds it until one claims it."""
     algorithm: str = ""
     """Registered algorithm name its losses come from."""
+    spec: tuple = ()
+    """(learner config, seed, base name, algorithm) it was created with: a claim must bring the same."""
+    record: dict[str, Any] | None = None
+    """The record of the checkpoint it was last saved to or loaded from (None: neither yet)."""
+    parked: tuple[str, float] | None = None
+    """(tag, monotonic deadline) while parked: the state tag its last holder gave, and when it expires."""
 
 
 @dataclass
@@ -52,6 +60,8 @@ class EngineConfig:
     """Largest LoRA rank an adapter may have."""
     exclusive: bool = False
     """Host one experiment only, which may train every parameter (mode 'full')."""
+    park_ttl_s: float = 600.0
+    """How long a parked adapter waits for a client to claim it before it is dropped."""
 
 
 @dataclass
@@ -68,6 +78,8 @@ class Engine:
     lock: threading.Lock = field(default_factory=threading.Lock)
     tokenizer: Any = None
     """The base's tokenizer, for requests with stop strings (the sampler decodes their tails)."""
+    claims: int = 0
+    """Parked adapters taken over by a client so far (`create` with a matching `claim`)."""
 
     def __post_init__(self) -> None:
         self.base_model = self.model
@@ -79,9 +91,22 @@ class Engine:
 
     # -- adapters ---------------------------------------------------------------------------
     def create(self, owner: int, name: str, learner: dict[str, Any], seed: int, base_name: str,
-               algorithm: str = "") -> dict[str, Any]:
+               algorithm: str = "", claim: str | None = None) -> dict[str, Any]:
+        """Host a new adapter `name` for client `owner`; with `claim`, first take over the parked
+        adapter of that name instead when it was parked with this state tag and the same spec
+        (`claimed: true` and its `record` in the reply). A parked adapter that does not match is
+        dropped: its holder's successor asked for another state."""
         if not name or not isinstance(name, str) or name.startswith("__") or "." in name:
             raise RequestError(f"adapter name {name!r} is not allowed (non-empty, no '.', not starting with '__')")
+        self.expire_parked()
+        spec = (dict(learner), int(seed), base_name, algorithm)
+        h = self.hosted.get(name)
+        if h is not None and h.parked is not None:
+            if claim is not None and h.parked[0] == claim and h.spec == spec:
+                h.owner, h.parked = owner, None
+                self.claims += 1
+                return {"steps": h.learner.steps, "claimed": True, "record": h.record}
+            self.drop(name)
         if name in self.hosted:
             raise RequestError(f"adapter {name!r} already exists on this worker (held by another client); "
                                "use another experiment name or stop that client")
@@ -111,8 +136,25 @@ class Engine:
             # weights: a decoder cached over the bare base would not see any adapter
             self.sampler.invalidate()
         gen = torch.Generator().manual_seed(seed)
-        self.hosted[name] = Hosted(lr, gen, owner, algorithm)
-        return {"steps": lr.steps}
+        self.hosted[name] = Hosted(lr, gen, owner, algorithm, spec)
+        return {"steps": lr.steps, "claimed": False}
+
+    def park(self, name: str, tag: str) -> None:
+        """Keep adapter `name` after its holder goes away, for a client that claims it with `tag`
+        within `park_ttl_s` (the next step process of the same experiment): that client then skips
+        rebuilding it from a checkpoint. The holder gives the tag of the state it leaves it in."""
+        if not isinstance(tag, str) or not tag:
+            raise RequestError("park needs a non-empty state tag")
+        h = self.get(name)
+        h.owner, h.parked = None, (tag, time.monotonic() + self.cfg.park_ttl_s)
+
+    def expire_parked(self) -> list[str]:
+        """Drop the parked adapters nobody claimed in time; their names."""
+        now = time.monotonic()
+        names = [n for n, h in self.hosted.items() if h.parked is not None and h.parked[1] <= now]
+        for n in names:
+            self.drop(n)
+        return names
 
     def drop(self, name: str) -> None:
         h = self.hosted.pop(name, None)
@@ -227,8 +269,9 @@ class Engine:
         if op == "compute_values":
             return lr.compute_values(kw["datums"])
         if op == "save_state":
-            return lr.save_state(kw["path"], kw.get("record"), {**(kw.get("extra_rng") or {}),
-                                                                "adapter_generator": h.generator.get_state()})
+            h.record = lr.save_state(kw["path"], kw.get("record"), {**(kw.get("extra_rng") or {}),
+                                                                    "adapter_generator": h.generator.get_state()})
+            return h.record
         if op == "verify_checkpoint":
             return lr.verify_checkpoint(kw["path"], kw["probe_tokens"])
         if op == "load_state":
@@ -241,12 +284,15 @@ class Engine:
             rng = torch.load(path / "rng.pt", weights_only=True)
             if "adapter_generator" in rng:
                 h.generator.set_state(rng["adapter_generator"])
+            h.record = record
             return record
         raise RequestError(f"unknown operation {op!r}")
 
     def stats(self) -> dict[str, Any]:
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        return {"adapters": sorted(self.hosted), "base": self.base, "device": str(self.device),
+        return {"adapters": sorted(self.hosted), "parked": sorted(n for n, h in self.hosted.items() if h.parked),
+                "claims": self.claims,
+                "base": self.base, "device": str(self.device),
                 "peak_rss_mb": usage.ru_maxrss / 1024, "rss_mb": _rss_mb()}
 
 

@@ -194,6 +194,10 @@ class WorkerServer:
 
     def _run(self, batch: list[_Item]) -> None:
         e = self.engine
+        expired = e.expire_parked()
+        if expired:
+            print(f"worker: dropped parked adapters nobody claimed in {e.cfg.park_ttl_s:g} s: {', '.join(expired)}",
+                  file=self.log, flush=True)
         for item in batch:
             if item.request.get("op") in ("sample", "forward_backward"):
                 try:
@@ -213,7 +217,10 @@ class WorkerServer:
                 op = r.get("op")
                 if op == "create":
                     result = e.create(item.client, r["name"], r["learner"], int(r["seed"]), r.get("base_name", ""),
-                                      r.get("algorithm", ""))
+                                      r.get("algorithm", ""), r.get("claim"))
+                elif op == "park":
+                    self._check_owner(item.client, r["name"])
+                    result = e.park(r["name"], r["tag"])
                 elif op == "drop":
                     self._check_owner(item.client, r["name"])
                     result = e.drop(r["name"])
@@ -240,6 +247,8 @@ class WorkerServer:
 
     def _check_owner(self, client: int, name: str) -> None:
         h = self.engine.get(name)
+        if h.parked is not None:
+            raise RequestError(f"adapter {name!r} is parked on this worker: create it with its state tag to claim it")
         if h.owner != client:
             raise RequestError(f"adapter {name!r} belongs to another client of this worker")
 

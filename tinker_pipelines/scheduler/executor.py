@@ -29,7 +29,7 @@ from dagster._core.executor.step_delegating import (CheckStepHealthResult, StepD
 from tinker_pipelines.scheduler.inventory import Inventory
 from tinker_pipelines.scheduler.placement import StepNeeds, check_fits, needs_from_tags
 from tinker_pipelines.scheduler.step_entry import NEVER_FITS_EXIT
-from tinker_pipelines.scheduler.step_launch import LAUNCHES, StepProcess, launch
+from tinker_pipelines.scheduler.step_launch import LAUNCHES, StepProcess, code_location, launch
 
 LEDGER_FILE = "tinker_devices.sqlite"
 """The device ledger's file name, in the Dagster instance's root directory by default."""
@@ -80,8 +80,9 @@ class DeviceStepHandler(StepHandler):
                                            "sharing": needs.sharing, "timeout_s": self.timeout_s,
                                            "poll_s": self.poll_s}
         lease_args = (self.ledger_path, json.dumps(self.inventory_config), json.dumps(spec), run_id, step_key)
-        self._procs[(run_id, step_key)] = launch(self.step_launch, lease_args,
-                                                 list(ctx.execute_step_args.get_command_args()))
+        args = ctx.execute_step_args
+        self._procs[(run_id, step_key)] = launch(self.step_launch, lease_args, list(args.get_command_args()),
+                                                 code_location(args.job_origin.repository_origin.code_pointer))
         yield DagsterEvent.step_worker_starting(
             ctx.get_step_context(step_key), f"Launching step {step_key} needing {needs or 'no device'}",
             metadata={"needs": dg.MetadataValue.text(str(needs or "none"))})

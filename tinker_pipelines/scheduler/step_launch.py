@@ -4,15 +4,15 @@ A fresh interpreter per step (`"process"`) spends ~10 s on this machine importin
 transformers, peft, dagster and mlflow before the step's first line: with a resident worker a
 LoRA step is a thin client that takes well under a second, so the imports would be nearly all
 of it. `"forkserver"` (the default) starts Python's `multiprocessing` forkserver once per run
-process with those modules preloaded; each step is forked from it and pays only for the code
-location's modules, the instance and the step itself. It is the same mechanism
+process with those modules and the code location preloaded (`location_preload`); each step is
+forked from it and pays only for the instance and the step itself. It is the same mechanism
 Dagster's multiprocess executor offers (`start_method: forkserver`, `preload_modules`).
 
 What keeps a forked step equivalent to a fresh one:
-- Only third-party modules and the library core are preloaded: the code location's modules (which
-  read `TINKER_*` at import) are imported in the step, after it has taken the caller's
-  environment, working directory and `PYTHONPATH` as they are at launch, not as they were when
-  the server started.
+- The step takes the caller's environment, working directory and `PYTHONPATH` as they are at
+  launch. The code location's modules read `TINKER_*` at import, so the preloaded ones are used
+  only when the step's environment and directory are the server's; otherwise the step forgets
+  them and imports the location afresh (`location_preload.refresh`).
 - The server imports torch but never touches CUDA (`PYTORCH_NVML_BASED_CUDA_CHECK=1` in its
   environment keeps even an availability check from initialising the driver), so each step sets
   `CUDA_VISIBLE_DEVICES` for its lease before CUDA starts, exactly as a fresh process does.
@@ -23,15 +23,18 @@ What keeps a forked step equivalent to a fresh one:
 from __future__ import annotations
 
 import io
+import json
 import multiprocessing
 import multiprocessing.context
 import os
 import subprocess
 import sys
+import weakref
 from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing.context import set_spawning_popen
 from typing import Any, Protocol
 
+from tinker_pipelines.scheduler.location_preload import LOCATION_ENV
 from tinker_pipelines.scheduler.step_entry import NEVER_FITS_EXIT, lease_environment
 
 LAUNCHES = ("forkserver", "process")
@@ -45,8 +48,7 @@ PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", 
            "dagster._core.definitions.repository_definition.repository_data_builder", "dagster._daemon",
            "tinker_pipelines.train", "tinker_pipelines.tracking", "tinker_pipelines.worker.client")
 """Modules the forkserver imports once: third-party ones and the library core, which reads no
-environment at import; not the Dagster code location (`assets/`, `resources/`, definitions), whose
-modules read `TINKER_*` when imported (see the module docstring)."""
+environment at import. The code location is imported too (`location_preload`)."""
 
 
 class StepProcess(Protocol):
@@ -73,10 +75,43 @@ class _ForkedStep:
         return self.poll()
 
 
-def _forkserver() -> Any:
+_LIVE: "weakref.WeakSet[_ForkedStep]" = weakref.WeakSet()
+"""Steps forked by this process's server that may still run (they need the server to report their exit)."""
+_SERVED: list[Any] = [None, None]
+"""[server pid, (environment, directory, location) it started with]."""
+
+
+def _ensure_forkserver(location: dict[str, str] | None) -> None:
+    """Start the server unless it runs; the preloads take effect when it starts. A server
+    started in another environment, directory or for another location (a script that sets
+    `TINKER_WORKER` after its first run) is restarted once none of its steps runs: its
+    preloaded location would be imported afresh by every step (`location_preload.refresh`)."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server starts (first launch)
-    return ctx
+    # the location first: it records the environment before the other imports add to it
+    ctx.set_forkserver_preload(["tinker_pipelines.scheduler.location_preload", *PRELOAD])
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # inherited by the server when it starts
+    server = forkserver._forkserver
+    key = (dict(os.environ), os.getcwd(), location)
+    if (server._forkserver_pid is not None and server._forkserver_pid == _SERVED[0] and _SERVED[1] != key
+            and all(step.poll() is not None for step in list(_LIVE))):
+        server._stop()
+    if location is not None:  # for the server alone: never left in this process's (and its children's) environment
+        os.environ[LOCATION_ENV] = json.dumps(location)
+    try:
+        server.ensure_running()
+    finally:
+        os.environ.pop(LOCATION_ENV, None)
+    if server._forkserver_pid != _SERVED[0]:
+        _SERVED[:] = [server._forkserver_pid, key]
+
+
+def code_location(code_pointer: Any) -> dict[str, str] | None:
+    """{module, working_directory} of a step's code location given as a module or package (a
+    code location given as a file is not preloaded: the step imports it)."""
+    module = getattr(code_pointer, "module", None)
+    if not isinstance(module, str) or not module:
+        return None
+    return {"module": module, "working_directory": getattr(code_pointer, "working_directory", None) or ""}
 
 
 class _StepPopen(popen_forkserver.Popen):
@@ -112,9 +147,11 @@ class _StepProcess(multiprocessing.context.ForkServerProcess):
         return _StepPopen(process_obj)
 
 
-def launch(how: str, lease_args: tuple[str, str, str, str, str], command: list[str]) -> StepProcess:
+def launch(how: str, lease_args: tuple[str, str, str, str, str], command: list[str],
+           location: dict[str, str] | None = None) -> StepProcess:
     """Start a step: take its lease (`step_entry`'s arguments: ledger path, inventory JSON, needs
-    JSON, run id, step key), then run the `dagster api execute_step` `command`."""
+    JSON, run id, step key), then run the `dagster api execute_step` `command`. `location`
+    (`code_location`): the step's code location, for the forkserver to preload."""
     if how == "process":
         if command[:1] == ["dagster"]:  # Dagster's default entry point needs it on PATH: use this interpreter's
             command = [sys.executable, "-m", "dagster", *command[1:]]
@@ -122,17 +159,21 @@ def launch(how: str, lease_args: tuple[str, str, str, str, str], command: list[s
                                  *command], start_new_session=True)
     if how != "forkserver":
         raise ValueError(f"gpu_executor.step_launch must be one of {', '.join(LAUNCHES)}, got {how!r}")
-    _forkserver()
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # inherited by the server when it starts
-    process = _StepProcess(target=_forked_step, args=(lease_args, command, dict(os.environ), os.getcwd()),
+    _ensure_forkserver(location)
+    process = _StepProcess(target=_forked_step, args=(lease_args, command, dict(os.environ), os.getcwd(), location),
                            name=f"step {lease_args[4]}", daemon=False)
     process.start()
-    return _ForkedStep(process)
+    step = _ForkedStep(process)
+    _LIVE.add(step)
+    return step
 
 
 def _forked_step(lease_args: tuple[str, str, str, str, str], command: list[str], environ: dict[str, str],
-                 cwd: str) -> None:
+                 cwd: str, location: dict[str, str] | None) -> None:
     os.setsid()
+    from tinker_pipelines.scheduler import location_preload
+
+    location_preload.refresh(environ, cwd, location)
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)

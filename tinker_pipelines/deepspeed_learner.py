@@ -21,15 +21,15 @@ HF `save_pretrained` safetensors of the consolidated weights, `value_head.safete
 `optimizer.pt` holding the consolidated Adam states as a `torch.optim.AdamW.state_dict()` (a
 plain `Learner` resumes from it; this learner restores it at any world size), `rng.pt` and
 `record.json` (with `deepspeed: {stage, world_size}`). No DeepSpeed-specific state is written.
+
+The process group (`init_process_group`, `is_main_process`) is set up in `distributed`, and
+re-exported here.
 """
 from __future__ import annotations
 
 import copy
 import hashlib
 import math
-import os
-import socket
-import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -40,44 +40,12 @@ from transformers import PreTrainedModel
 
 from tinker_pipelines import checkpoint as ckpt
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn, loss_normalization, micro_batch_share
+from tinker_pipelines.distributed import _deepspeed, init_process_group, is_main_process
 from tinker_pipelines.learner import VALUE_HEAD_FILE, Learner, LearnerConfig, ValueHead, _Padded, loss_batch, pad_datums
 from tinker_pipelines.prefix_sharing import plan_prefix_sharing, supports_prefix_sharing
 from tinker_pipelines.types import Datum
 
-
-def _deepspeed():
-    """Import deepspeed; without a GPU, select its CPU accelerator first (no probing, no warning)."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-
-    return deepspeed
-
-
-def init_process_group() -> None:
-    """Join torchrun's process group, or make a one-process group when not launched by torchrun."""
-    deepspeed = _deepspeed()
-    from deepspeed.accelerator import get_accelerator
-
-    # gloo on CPU (the CPU accelerator would ask for oneCCL, which is not installed)
-    backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
-    if not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
-        # A file store, not env:// — torch's TCPStore would listen on every interface (::) for as
-        # long as the learner lives, whatever MASTER_ADDR says.
-        store = Path(tempfile.mkdtemp(prefix="tinker-ds-")) / "store"
-        with socket.socket() as s:  # set for DeepSpeed's environment check (no MPI discovery); nothing binds it
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.distributed.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
-
-
-def is_main_process() -> bool:
-    """Rank 0 of the process group (or of torchrun's environment before the group exists)."""
-    if torch.distributed.is_initialized():
-        return torch.distributed.get_rank() == 0
-    return int(os.environ.get("RANK", "0")) == 0
+__all__ = ["DeepSpeedLearner", "init_process_group", "is_main_process", "shard_datums"]
 
 
 class _PolicyAndHead(torch.nn.Module):

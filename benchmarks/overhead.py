@@ -14,8 +14,9 @@ on both sides) is not timed. The MLflow database is created before timing.
 `--executor gpu`: the Dagster side runs on the GPU-aware executor (`TINKER_EXECUTOR=gpu`): every
 step is its own process (forked from the preloaded server) holding a device lease from the
 ledger, and the LoRA steps are thin clients of a resident worker started on the SFT base after
-the `sft` run (`TINKER_WORKER`), as a deployment with workers runs; its start is not timed (a
-resident worker pays it once). The worker runs with cross-adapter batching off: one experiment
+the `sft` run, as a deployment with workers runs: `TINKER_WORKER` names its socket in the
+environment from the first run on, as in a deployment's. The worker's start is not timed (a
+resident worker pays it once), nor is the step forkserver's (the `sft` run starts it). The worker runs with cross-adapter batching off: one experiment
 has nothing to batch with, and its unbatched path is the in-process engine's, so the metrics
 must be identical. The plain side is unchanged: `train(cfg)` in one process.
 
@@ -83,10 +84,13 @@ def run_dagster(cfg_dict: dict, home: Path, experiment: str, executor: str = "in
     tracker = resources["mlflow"].tracker()  # the deployment exists before timing
     instance = dg.DagsterInstance.from_config(str(TinkerHome(home).ensure().dagster_home))
     worker = None
+    address = home / "worker.sock"  # one path for every repeat: the environment stays the step forkserver's
+    if executor == "gpu":  # in the environment from the first run on, as a deployment's is (the sft run ignores it)
+        os.environ["TINKER_WORKER"] = str(address)
     try:
         run_sft(instance, experiment, cfg_dict)
         if executor == "gpu":
-            worker = _start_worker(resources["artifact_store"].store().local_dir(f"{experiment}/sft"), home)
+            worker = _start_worker(resources["artifact_store"].store().local_dir(f"{experiment}/sft"), address)
         start, cpu = time.perf_counter(), time.process_time()
         ok = run_iterations(instance, experiment, cfg_dict)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -110,17 +114,15 @@ def run_dagster(cfg_dict: dict, home: Path, experiment: str, executor: str = "in
     return wall, cpu, [per_step[k] for k in sorted(per_step)]
 
 
-def _start_worker(sft_base: Path, home: Path):
+def _start_worker(sft_base: Path, address: Path):
     """A resident worker on the experiment's SFT base; step processes reach it via TINKER_WORKER."""
     from tinker_pipelines.worker.client import start_worker
 
-    address = home / f"worker-{time.monotonic_ns()}.sock"
     # batching off: one experiment has nothing to batch with, and its unbatched path is the
     # in-process engine's own (merged adapter weights), so the metrics can be compared exactly
     proc = start_worker(str(Path(sft_base).resolve()), address, device="cpu", dtype="float32",
                         extra=["--threads", os.environ["OMP_NUM_THREADS"], "--no-batching", "--max-rows", "4096"],
-                        log=home / "worker.log")
-    os.environ["TINKER_WORKER"] = str(address)
+                        log=address.with_suffix(".log"))
     return proc
 
 

@@ -29,7 +29,6 @@ import multiprocessing.context
 import os
 import subprocess
 import sys
-import weakref
 from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing.context import set_spawning_popen
 from typing import Any, Protocol
@@ -75,34 +74,20 @@ class _ForkedStep:
         return self.poll()
 
 
-_LIVE: "weakref.WeakSet[_ForkedStep]" = weakref.WeakSet()
-"""Steps forked by this process's server that may still run (they need the server to report their exit)."""
-_SERVED: list[Any] = [None, None]
-"""[server pid, (environment, directory, location) it started with]."""
-
-
 def _ensure_forkserver(location: dict[str, str] | None) -> None:
-    """Start the server unless it runs; the preloads take effect when it starts. A server
-    started in another environment, directory or for another location (a script that sets
-    `TINKER_WORKER` after its first run) is restarted once none of its steps runs: its
-    preloaded location would be imported afresh by every step (`location_preload.refresh`)."""
+    """Start the server unless it runs; the preloads take effect when it starts (first launch).
+    A server started in another environment (a script that sets `TINKER_WORKER` after its first
+    run) keeps serving: its steps import the location afresh (`location_preload.refresh`)."""
     ctx = multiprocessing.get_context("forkserver")
     # the location first: it records the environment before the other imports add to it
     ctx.set_forkserver_preload(["tinker_pipelines.scheduler.location_preload", *PRELOAD])
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # inherited by the server when it starts
-    server = forkserver._forkserver
-    key = (dict(os.environ), os.getcwd(), location)
-    if (server._forkserver_pid is not None and server._forkserver_pid == _SERVED[0] and _SERVED[1] != key
-            and all(step.poll() is not None for step in list(_LIVE))):
-        server._stop()
     if location is not None:  # for the server alone: never left in this process's (and its children's) environment
         os.environ[LOCATION_ENV] = json.dumps(location)
     try:
-        server.ensure_running()
+        forkserver.ensure_running()
     finally:
         os.environ.pop(LOCATION_ENV, None)
-    if server._forkserver_pid != _SERVED[0]:
-        _SERVED[:] = [server._forkserver_pid, key]
 
 
 def code_location(code_pointer: Any) -> dict[str, str] | None:
@@ -163,9 +148,7 @@ def launch(how: str, lease_args: tuple[str, str, str, str, str], command: list[s
     process = _StepProcess(target=_forked_step, args=(lease_args, command, dict(os.environ), os.getcwd(), location),
                            name=f"step {lease_args[4]}", daemon=False)
     process.start()
-    step = _ForkedStep(process)
-    _LIVE.add(step)
-    return step
+    return _ForkedStep(process)
 
 
 def _forked_step(lease_args: tuple[str, str, str, str, str], command: list[str], environ: dict[str, str],

@@ -316,7 +316,8 @@ def test_cannot_tamper_with_the_reward_checker(layers: SandboxResult, tmp_path: 
     checker.write_text("def reward(stdout, expected):\n    return float(stdout.strip() == expected.strip())\n")
     expected.chmod(0o644)
     checker.chmod(0o644)
-    targets = [expected, checker, Path(__file__).resolve(), REPO / "tinker_pipelines" / "sandbox.py"]
+    targets = [expected, checker, Path(__file__).resolve(), REPO / "tinker_pipelines" / "sandbox.py",
+               REPO / "tinker_pipelines" / "sandbox_supervisor.py"]  # the supervisor runs as root
     before = {t: hashlib.sha256(t.read_bytes()).hexdigest() for t in targets}
     r = run(f"""
         for path in {[str(t) for t in targets]!r}:

@@ -48,7 +48,7 @@ def train(cfg: Config, on_iteration: Callable[[dict[str, float]], None] | None =
         return train_dpo(cfg, on_iteration, on_sft_step, resume)
     out = Path(cfg.output_dir)
     ckpt_dir = out / "checkpoints"
-    from tinker_pipelines.deepspeed_learner import is_main_process
+    from tinker_pipelines.distributed import is_main_process
 
     writer = is_main_process()  # under torchrun (training.deepspeed) every rank runs this loop; rank 0 writes files
     if overwrite and writer:

@@ -1,5 +1,5 @@
-"""The GPU-aware scheduler's pure parts (no dagster import here; the Dagster executor built on
-them lives in its own module and is the only one in this package that imports dagster).
+"""The GPU-aware scheduler: pure parts, then the Dagster side built on them (only `executor` and
+a step process's `step_launch` import dagster).
 
 - `inventory`: `Device` and `Inventory` — the real CUDA devices (`Inventory.detect()`, one CPU
   device when there is no GPU) or a simulated set (`Inventory.from_config(...)`).
@@ -9,16 +9,21 @@ them lives in its own module and is the only one in this package that imports da
   never be placed) and the anti-starvation reservation (`starving`, `reserve`). Pure functions: no I/O, no clock.
 - `ledger`: the reservation ledger shared by all processes and runs on a machine — a sqlite
   file in WAL mode, each grant one `BEGIN IMMEDIATE` transaction; leases die with their owner
-  process (pid + start time) or a missed heartbeat TTL; an append-only audit table, and
-  `replay_audit` to check a log for over-subscription and measure utilization.
+  process (pid + start time) or a missed heartbeat TTL; an append-only audit table.
+- `audit`: the audit log's events and `replay_audit`, which checks a log for over-subscription
+  and measures utilization.
+
+The Dagster side: `executor` (`gpu_executor`), `step_launch` and `step_entry` (how a step process
+starts and takes its lease), `location_preload` (the code location the step forkserver imports
+once) and `k8s` (the same tags as Kubernetes GPU requests).
 
 `benchmarks/scheduler_sim.py` drives the same `place` through a discrete-event simulation of
 a 16-GPU machine against a FIFO whole-device baseline.
 """
 
 from tinker_pipelines.scheduler.inventory import Device, Inventory
-from tinker_pipelines.scheduler.ledger import (AuditEvent, AuditReport, Lease, LeaseLost, LeaseOwner, Ledger,
-                                               replay_audit)
+from tinker_pipelines.scheduler.audit import AuditEvent, AuditReport, replay_audit
+from tinker_pipelines.scheduler.ledger import Lease, LeaseLost, LeaseOwner, Ledger
 from tinker_pipelines.scheduler.placement import (TAG_PREFIX, Allocation, StepNeeds, check_fits, needs_from_tags,
                                                   place, reserve, starving)
 

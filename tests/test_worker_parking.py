@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from test_worker import SMALL, _cfg, worker  # noqa: F401 (the worker fixture)
+from test_worker import _cfg, worker  # noqa: F401 (the worker fixture)
 from tinker_pipelines.train import Experiment, deterministic_metrics
 from tinker_pipelines.worker import WorkerError
 from tinker_pipelines.worker.client import NEVER_SAVED, WorkerClient
@@ -22,13 +22,13 @@ def _stats(address):
 
 def test_a_claimed_adapter_continues_exactly_and_another_state_is_rebuilt(tmp_path, worker):
     address, _ = worker("--no-batching")
-    cfg = _cfg(tmp_path, "parked", training={**SMALL["training"], "iterations": 3})
+    cfg = _cfg(tmp_path, "parked", eval={"every": 1, "num_tasks": 4})  # 2 iterations, each evaluated
     ref = Experiment(cfg, worker=str(address), name="ref")
-    reference = [deterministic_metrics(ref.run_iteration(i)) for i in range(3)]
+    reference = [deterministic_metrics(ref.run_iteration(i)) for i in range(2)]
     ref.worker.close()
 
     got, hashes = [], [NEVER_SAVED]
-    for i in range(3):  # one client per iteration, as one step process per step
+    for i in range(2):  # one client per iteration, as one step process per step
         exp = Experiment(cfg, worker=str(address), name="p")
         assert exp.resume_parked(i, hashes[-1]) == (i > 0)  # nothing is parked before the first
         assert exp.iteration == i
@@ -40,12 +40,12 @@ def test_a_claimed_adapter_continues_exactly_and_another_state_is_rebuilt(tmp_pa
     assert got == reference
     assert _stats(address)["parked"] == ["p"]
 
-    # a retry of iteration 2 asks for the state after iteration 1: the parked one (after 2) is dropped
+    # a retry of iteration 1 asks for the state after iteration 0: the parked one (after 1) is dropped
     again = Experiment(cfg, worker=str(address), name="p")
-    assert not again.resume_parked(2, hashes[2])
+    assert not again.resume_parked(1, hashes[1])
     assert _stats(address)["parked"] == []
-    again.resume(tmp_path / "ckpt1")
-    assert deterministic_metrics(again.run_iteration(2)) == reference[2]
+    again.resume(tmp_path / "ckpt0")
+    assert deterministic_metrics(again.run_iteration(1)) == reference[1]
 
 
 def test_a_parked_adapter_needs_its_tag_and_spec_and_expires(tmp_path, worker):

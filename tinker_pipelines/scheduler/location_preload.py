@@ -7,8 +7,8 @@ location in `sys.modules`, its repository already resolved.
 
 The location's modules read `TINKER_*` when they are imported, so what the server imported holds
 only for the environment and working directory the server started with: `refresh`, called in
-each forked step with the step's own environment and directory, forgets those modules when either
-differs, and the step imports them afresh, exactly as a fresh process would.
+each forked step with the step's own environment, directory and location, forgets those modules
+when any of them differs, and the step imports them afresh, exactly as a fresh process would.
 """
 
 from __future__ import annotations

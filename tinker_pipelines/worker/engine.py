@@ -98,7 +98,6 @@ class Engine:
         dropped: its holder's successor asked for another state."""
         if not name or not isinstance(name, str) or name.startswith("__") or "." in name:
             raise RequestError(f"adapter name {name!r} is not allowed (non-empty, no '.', not starting with '__')")
-        self.expire_parked()
         spec = (dict(learner), int(seed), base_name, algorithm)
         h = self.hosted.get(name)
         if h is not None and h.parked is not None:
@@ -149,7 +148,8 @@ class Engine:
         h.owner, h.parked = None, (tag, time.monotonic() + self.cfg.park_ttl_s)
 
     def expire_parked(self) -> list[str]:
-        """Drop the parked adapters nobody claimed in time; their names."""
+        """Drop the parked adapters nobody claimed in time; their names (the server calls this
+        before every batch of requests)."""
         now = time.monotonic()
         names = [n for n, h in self.hosted.items() if h.parked is not None and h.parked[1] <= now]
         for n in names:

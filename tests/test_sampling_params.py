@@ -120,9 +120,10 @@ def test_defaults_are_plain_sampling_bit_for_bit():
     assert torch.equal(target_logprobs(logits_BKV, targets, 0.7), plain)
 
 
-def _datum(prompt: list[int], tokens: tuple[int, ...]) -> Datum:
+def _datum(prompt: list[int], tokens: tuple[int, ...], support: tuple[int, ...] = ()) -> Datum:
     seq = list(prompt) + list(tokens)
-    return Datum(tuple(seq[:-1]), tuple(seq[1:]), tuple([0.0] * (len(prompt) - 1) + [1.0] * len(tokens)))
+    return Datum(tuple(seq[:-1]), tuple(seq[1:]), tuple([0.0] * (len(prompt) - 1) + [1.0] * len(tokens)),
+                 support_sizes=tuple([0] * (len(prompt) - 1)) + support if support else ())
 
 
 def _prompts(vocab: int, n: int = 6) -> list[list[int]]:
@@ -138,11 +139,10 @@ SETTINGS = [dict(temperature=0.8, top_k=12, top_p=1.0, min_p=0.0), dict(temperat
 def test_learner_recomputes_the_samplers_logprobs(tiny, lora):
     """The random tiny model's next-token distributions are near-uniform: hundreds of tokens of
     almost equal probability sit at the top-p cut, where the sampler's and the learner's
-    equivalent float computations (1e-6 apart) may keep different tokens. Its logits are scaled
-    to be as peaked as a language model's, where the cut falls between well separated ones."""
+    equivalent float computations (1e-6 apart) could keep different tokens. The sampler reports
+    how many it kept (`Sample.support`) and the learner keeps as many of its own, so they agree
+    all the same."""
     base, tok = tiny
-    with torch.no_grad():
-        base.model.norm.weight.mul_(6.0)
     prompts = _prompts(len(tok))
     group = [p for p in prompts[:3] for _ in range(3)]  # shared prompts: the learner's prefix-sharing forward
     for s in SETTINGS:
@@ -153,7 +153,10 @@ def test_learner_recomputes_the_samplers_logprobs(tiny, lora):
         samples = sampler.sample(group, 12, s["temperature"], torch.Generator().manual_seed(4), top_k=s["top_k"],
                                  top_p=s["top_p"], min_p=s["min_p"])
         assert all(math.isfinite(x) for smp in samples for x in smp.logprobs)
-        datums = [_datum(p, smp.tokens) for p, smp in zip(group, samples)]
+        for smp in samples:  # one kept-set size per token, within what the parameters allow
+            assert len(smp.support) == len(smp.tokens) and all(1 <= n < len(tok) for n in smp.support)
+            assert s["top_k"] == 0 or max(smp.support) <= s["top_k"] + 2  # ties at the k-th are kept together
+        datums = [_datum(p, smp.tokens, smp.support) for p, smp in zip(group, samples)]
         padded = pad_datums(datums, tok.pad_token_id)
         with torch.no_grad():
             lp_shared = learner._forward(policy, padded)[0]  # the training forward (prefix sharing on)
@@ -298,6 +301,9 @@ def test_worker_engine_equals_in_process(tiny):
             assert [r[3] for r in remote] == [s.stop_string for s in local]
             for r, s in zip(remote, local):
                 assert r[1] == pytest.approx(s.logprobs, abs=1e-5)
+                assert tuple(r[4]) == s.support  # the kept-set sizes travel
+                # top_k 20 truncates every step; min_p 0.05 keeps all of the near-uniform vocabulary: nothing to record
+                assert len(s.support) == (len(s.tokens) if "top_k" in kw else 0)
     assert any(s[3] for s in results[True][0]["samples"])  # the stop string ended some rows
 
 
@@ -344,8 +350,73 @@ def test_worker_process_serves_the_parameters(tiny, tmp_path):
             prompts, 10, 1.0, torch.Generator().manual_seed(6), **kw)
         assert [s.tokens for s in remote] == [s.tokens for s in local]
         assert [s.stop_string for s in remote] == [s.stop_string for s in local]
+        assert [s.support for s in remote] == [s.support for s in local] and all(s.support for s in local)
         assert any(s.stop_string for s in local)
         client.close()
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_top_n_renormalization_has_the_masked_softmax_gradient():
+    """Over a kept set of n tokens the learner's logprob and its gradient are those of
+    log_softmax restricted to the set, whichever the set's size per position; a target the
+    learner ranks just outside its top n (float error swapped it with the n-th) is renormalized
+    over the top n - 1 and itself, as the sampler's set was."""
+    from tinker_pipelines.rollout.truncation import top_n_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits_BKV = torch.randn(2, 3, 50, generator=g, dtype=torch.float64, requires_grad=True)
+    n_BK = torch.tensor([[1, 5, 17], [50, 2, 9]])
+    lp_BKV = torch.log_softmax(logits_BKV, dim=-1)
+    order_BKV = lp_BKV.detach().argsort(dim=-1, descending=True)
+    ranks = torch.tensor([[0, 3, 16], [49, 2, 4]])  # the target's rank: [1, 1] is just outside its top 2
+    targets_BK = order_BKV.gather(-1, ranks[..., None]).squeeze(-1)
+    target_BK = lp_BKV.gather(-1, targets_BK[..., None]).squeeze(-1)
+    got_BK = top_n_logprobs(lp_BKV, target_BK, n_BK)
+    keep_BKV = torch.zeros_like(lp_BKV, dtype=torch.bool)
+    for b in range(2):
+        for k in range(3):
+            n, top = int(n_BK[b, k]), order_BKV[b, k].tolist()
+            kept = top[:n] if ranks[b, k] < n else top[:n - 1] + [int(targets_BK[b, k])]
+            keep_BKV[b, k, kept] = True
+    want_BK = target_BK - torch.logsumexp(lp_BKV.masked_fill(~keep_BKV, -math.inf), dim=-1)
+    assert torch.allclose(got_BK, want_BK, atol=1e-12)
+    assert float(got_BK[0, 0]) == pytest.approx(0.0, abs=1e-12)  # a set of one: probability 1
+    w_BK = torch.randn(2, 3, generator=g, dtype=torch.float64)
+    (grad_got,) = torch.autograd.grad((got_BK * w_BK).sum(), logits_BKV, retain_graph=True)
+    (grad_want,) = torch.autograd.grad((want_BK * w_BK).sum(), logits_BKV)
+    assert torch.allclose(grad_got, grad_want, atol=1e-12)
+
+
+def test_episode_datums_carry_the_kept_set_sizes(tiny):
+    from tinker_pipelines.datums import trajectory_to_datum
+    from tinker_pipelines.envs import Env
+    from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes
+    from tinker_pipelines.tracking.codec import decode, encode
+    from tinker_pipelines.types import StepResult
+
+    class Twice(Env):  # two turns: the second turn's sizes land after the environment's tokens
+        def reset(self, seed=None):
+            self.turn = 0
+            return [{"role": "user", "content": f"Count from {seed}."}]
+
+        def step(self, action):
+            self.turn += 1
+            return StepResult([{"role": "user", "content": "More."}] if self.turn < 2 else [], 0.0, self.turn >= 2)
+
+    model, tok = tiny
+    sampler = Sampler(model, tok.pad_token_id, stop_token_ids(tok), tokenizer=tok)
+    trajs = run_episodes(sampler, tok, [Twice() for _ in range(3)], [1, 2, 3],
+                         RolloutConfig(6, 1.0, max_turns=2, top_p=0.8), torch.Generator().manual_seed(0))
+    for t in trajs:
+        d = trajectory_to_datum(t, 1.0)
+        assert len(d.support_sizes) == len(d.input_tokens)
+        for turn in t.turns:
+            assert len(turn.sampled_support) == len(turn.sampled_tokens)
+            start = len(turn.prompt_tokens) - 1
+            assert d.support_sizes[start:start + len(turn.sampled_tokens)] == turn.sampled_support
+        assert all(n == 0 for n, w in zip(d.support_sizes, d.weights) if w == 0)
+        assert decode(encode(d)) == d  # artifacts keep them
+    plain = run_episodes(sampler, tok, [Twice()], [1], RolloutConfig(6, 1.0, max_turns=2), torch.Generator().manual_seed(0))
+    assert trajectory_to_datum(plain[0], 1.0).support_sizes == ()  # untruncated: nothing to record

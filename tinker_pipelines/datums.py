@@ -20,7 +20,7 @@ def trajectory_to_datum(trajectory: Trajectory, advantage: float) -> Datum:
     last = trajectory.turns[-1]
     tokens = list(last.prompt_tokens) + list(last.sampled_tokens)
     T = len(tokens) - 1
-    weights, logprobs = [0.0] * T, [0.0] * T
+    weights, logprobs, support = [0.0] * T, [0.0] * T, [0] * T
     for turn in trajectory.turns:
         start = len(turn.prompt_tokens)
         if tuple(tokens[:start]) != turn.prompt_tokens:
@@ -28,8 +28,11 @@ def trajectory_to_datum(trajectory: Trajectory, advantage: float) -> Datum:
         for j, lp in enumerate(turn.sampled_logprobs):
             weights[start - 1 + j] = 1.0  # position t predicts token t + 1
             logprobs[start - 1 + j] = lp
+        for j, n in enumerate(turn.sampled_support):
+            support[start - 1 + j] = n
     adv = [advantage * w for w in weights]
-    return Datum(tuple(tokens[:-1]), tuple(tokens[1:]), tuple(weights), tuple(logprobs), tuple(adv))
+    return Datum(tuple(tokens[:-1]), tuple(tokens[1:]), tuple(weights), tuple(logprobs), tuple(adv),
+                 tuple(support) if any(support) else ())
 
 
 def _turn_ends(trajectory: Trajectory) -> list[int]:
@@ -84,7 +87,8 @@ def bootstrap_datum(datum: Datum) -> Datum:
     """
     extra = (0.0,) if datum.behaviour_logprobs else ()
     return Datum(datum.input_tokens + datum.target_tokens[-1:], datum.target_tokens + datum.target_tokens[-1:],
-                 datum.weights + (0.0,), datum.behaviour_logprobs + extra, datum.advantages + extra)
+                 datum.weights + (0.0,), datum.behaviour_logprobs + extra, datum.advantages + extra,
+                 datum.support_sizes + (0,) if datum.support_sizes else ())
 
 
 def critic_datums(groups: list[TrajectoryGroup], values_fn: ValuesFn, gamma: float, lam: float,
@@ -114,8 +118,9 @@ def critic_datums(groups: list[TrajectoryGroup], values_fn: ValuesFn, gamma: flo
     if whiten_advantages:
         advs = whiten(advs, weights_T)
     return [CriticDatum(d.input_tokens, d.target_tokens, d.weights, d.behaviour_logprobs, tuple(a.tolist()),
-                        tuple(r), tuple((torch.tensor(v, dtype=torch.float64) * (w != 0)).tolist()),
-                        tuple(ret.tolist()))
+                        d.support_sizes, rewards=tuple(r),
+                        old_values=tuple((torch.tensor(v, dtype=torch.float64) * (w != 0)).tolist()),
+                        returns=tuple(ret.tolist()))
             for d, a, r, v, w, (_, ret) in zip(plain, advs, rewards, values, weights_T, scored)]
 
 

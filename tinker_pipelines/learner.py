@@ -195,7 +195,8 @@ class Learner:
                  values: bool = False, *, temperature: float | torch.Tensor | None = None,
                  truncation: tuple | None = None,
                  head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 plan: PrefixPlan | None | str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+                 plan: PrefixPlan | None | str = "auto",
+                 sampled_support: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs of the targets and, with `values`, the value head's values, both [B, T]. With
         `only_weighted`, the output layer and the value head run only from the first weighted
         position on (prompts carry no loss; at a 49k vocabulary the output layer and its softmax
@@ -204,25 +205,31 @@ class Learner:
         its positions read 0 as well. A batch of several experiments' rows (`worker.batching`)
         passes a per-row `temperature` [B, 1, 1] and `truncation` (top_k, top_p, min_p) [B, 1],
         its own `head` and the prefix `plan` it made. Logprobs are of the sampling distribution:
-        logits / temperature, truncated and renormalized as the sampler does (`target_logprobs`)."""
+        logits / temperature, truncated and renormalized as the sampler does (`target_logprobs`):
+        over as many tokens as the sampler kept where the datums record it (`Datum.support_sizes`;
+        the reference, `sampled_support=False`, recomputes its cut from the parameters)."""
         B, T = padded.inputs_BT.shape
         temperature = self.cfg.temperature if temperature is None else temperature
         if truncation is None:
             truncation = (self.cfg.top_k, self.cfg.top_p, self.cfg.min_p)
         head = (self.value_head if values else None) if head is None else head
+        support_BT = padded.fields.get("support_sizes") if sampled_support else None
+        if support_BT is not None and not bool(support_BT.any()):
+            support_BT = None
         if only_weighted and self.cfg.share_prefix and supports_prefix_sharing(model):
             if isinstance(plan, str):
                 plan = plan_prefix_sharing(padded.inputs_BT, padded.mask_BT, padded.fields["weights"])
             if plan is not None:
                 return shared_prefix_forward(model, plan, padded.inputs_BT, padded.targets_BT, padded.fields["weights"],
-                                             temperature, head, truncation=truncation)
+                                             temperature, head, truncation=truncation, support_BT=support_BT)
         start = 0
         if only_weighted:
             weighted_B = padded.fields["weights"].ne(0).float().argmax(dim=1)
             start = int(weighted_B.min()) if padded.fields["weights"].any() else 0
         out = model(input_ids=padded.inputs_BT, attention_mask=padded.mask_BT, logits_to_keep=T - start,
                     output_hidden_states=head is not None)
-        lp_BK = target_logprobs(out.logits, padded.targets_BT[:, start:], temperature, *truncation)
+        lp_BK = target_logprobs(out.logits, padded.targets_BT[:, start:], temperature, *truncation,
+                                support_BK=support_BT[:, start:] if support_BT is not None else None)
         v_BK = head(out.hidden_states[-1][:, start:]) if head is not None else None
         if start:
             lp_BK = torch.nn.functional.pad(lp_BK, (start, 0))
@@ -235,10 +242,10 @@ class Learner:
         if self.cfg.mode == "lora":
             self.activate()
             with self.model.disable_adapter():
-                return self._logprobs(self.model, padded)
+                return self._forward(self.model, padded, sampled_support=False)[0]
         if self.reference is None:
             raise RuntimeError("full-parameter learner was built without a reference (needs_reference=False)")
-        return self._logprobs(self.reference, padded)
+        return self._forward(self.reference, padded, sampled_support=False)[0]
 
     @torch.no_grad()
     def compute_logprobs(self, datums: list[Datum]) -> list[list[float]]:

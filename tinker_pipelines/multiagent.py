@@ -19,6 +19,8 @@ Pure library: no dagster.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import random
 import statistics
@@ -133,7 +135,7 @@ def run_games(policies: dict[str, AgentPolicy], tokenizer: PreTrainedTokenizerBa
                 action = tokenizer.decode([t for t in smp.tokens if t not in stop_ids], skip_special_tokens=True)
                 result = _checked_game_step(g.game, action)
                 s.turns.append(Turn(tuple(s.context), smp.tokens, smp.logprobs,
-                                    float(result.rewards.get(seat_name, 0.0)), action))
+                                    float(result.rewards.get(seat_name, 0.0)), action, smp.support))
                 s.last_action, s.last_sampled = action, smp.tokens
                 for other, r in result.rewards.items():
                     if other != seat_name:
@@ -148,8 +150,7 @@ def run_games(policies: dict[str, AgentPolicy], tokenizer: PreTrainedTokenizerBa
     for g in states:
         if g.stop_reason != "done":  # cut short: nobody wins
             for s in g.seats.values():
-                s.turns = [Turn(t.prompt_tokens, t.sampled_tokens, t.sampled_logprobs, 0.0, t.action_text)
-                           for t in s.turns]
+                s.turns = [dataclasses.replace(t, reward=0.0) for t in s.turns]
                 s.final_reward = 0.0
         trajs = {name: Trajectory(tuple(s.turns), s.final_reward, g.task_id, g.stop_reason or "done",
                                   {**g.info, "seat": name}) for name, s in g.seats.items()}

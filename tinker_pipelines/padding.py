@@ -27,7 +27,8 @@ def pad_datums(datums: list[Datum], pad_token_id: int, device: torch.device | st
     inputs = torch.full((B, T), pad_token_id, dtype=torch.long)
     targets = torch.zeros((B, T), dtype=torch.long)
     mask = torch.zeros((B, T), dtype=torch.long)
-    fields = {k: torch.zeros((B, T)) for k in ("weights", "behaviour_logprobs", "advantages", "old_values", "returns")}
+    fields = {k: torch.zeros((B, T)) for k in ("weights", "behaviour_logprobs", "advantages", "old_values", "returns",
+                                               "support_sizes")}  # sizes < 2**24: exact in float32
     for i, d in enumerate(datums):
         n = len(d.input_tokens)
         inputs[i, :n] = torch.tensor(d.input_tokens)

@@ -117,10 +117,12 @@ def _additive_mask(plan: PrefixPlan, Lp: int, Lc: int, dtype: torch.dtype) -> to
 def shared_prefix_forward(model: torch.nn.Module, plan: PrefixPlan, inputs_BT: torch.Tensor,
                           targets_BT: torch.Tensor, weights_BT: torch.Tensor, temperature: float,
                           value_head: torch.nn.Module | None = None,
-                          truncation: tuple = (0, 1.0, 0.0)) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          truncation: tuple = (0, 1.0, 0.0), support_BT: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs of the targets and (with `value_head`) values, both [B, T]; positions before the
     first weighted continuation position of the micro-batch, and each run's prefix, read 0.
-    `truncation` is the sampler's (top_k, top_p, min_p) (`rollout.truncation.target_logprobs`)."""
+    `truncation` is the sampler's (top_k, top_p, min_p) and `support_BT` the sizes of the sets
+    it kept (`rollout.truncation.target_logprobs`)."""
     B, T = inputs_BT.shape
     device = inputs_BT.device
     run_B, plen_P = plan.run_B.to(device), plan.prefix_len_P.to(device)
@@ -149,7 +151,9 @@ def shared_prefix_forward(model: torch.nn.Module, plan: PrefixPlan, inputs_BT: t
     out = model(input_ids=cont_BC, attention_mask=_additive_mask(plan, Lp, Lc, dtype).to(device),
                 position_ids=pos_BC, cache=expanded, use_cache=True, logits_to_keep=Lc - start,
                 output_hidden_states=value_head is not None)
-    lp_BK = target_logprobs(out.logits, targets_BT.gather(1, gather_BC)[:, start:], temperature, *truncation)
+    support_BK = support_BT.gather(1, gather_BC)[:, start:] if support_BT is not None else None
+    lp_BK = target_logprobs(out.logits, targets_BT.gather(1, gather_BC)[:, start:], temperature, *truncation,
+                            support_BK=support_BK)
 
     scatter_BK = torch.where(valid_BC, pos_BC, T + j_C[None, :])[:, start:]
 

@@ -50,6 +50,9 @@ class Turn:
     """Reward the environment returned for this action."""
     action_text: str
     """The decoded action, as the environment received it."""
+    sampled_support: tuple[int, ...] = ()
+    """How many tokens the truncated sampling distribution kept for each sampled token (top-k /
+    top-p / min-p; `Sample.support`); empty when sampling truncated nothing."""
 
 
 @dataclass(frozen=True)
@@ -108,10 +111,15 @@ class Datum:
     """Sampling logprobs of the targets (0 where weight is 0); empty for SFT."""
     advantages: tuple[float, ...] = ()
     """Advantage per position; empty for SFT."""
+    support_sizes: tuple[int, ...] = ()
+    """How many tokens the truncated sampling distribution kept when each target was drawn (0
+    where nothing was recorded); the learner renormalizes over as many of its own most likely
+    tokens. Empty: untruncated sampling, or the cut is recomputed from the learner's top-k /
+    top-p / min-p."""
 
     def __post_init__(self) -> None:
         T = len(self.input_tokens)
-        for name in ("target_tokens", "weights", "behaviour_logprobs", "advantages"):
+        for name in ("target_tokens", "weights", "behaviour_logprobs", "advantages", "support_sizes"):
             n = len(getattr(self, name))
-            if n not in ((0, T) if name in ("behaviour_logprobs", "advantages") else (T,)):
+            if n not in ((0, T) if name in ("behaviour_logprobs", "advantages", "support_sizes") else (T,)):
                 raise ValueError(f"Datum.{name} has length {n}, expected {T}")

@@ -13,8 +13,11 @@ def sample_tokens(logits_BV: torch.Tensor, temperature: float | torch.Tensor,
                   generator: torch.Generator | None = None,
                   uniforms_B: torch.Tensor | None = None, *, top_k: int | torch.Tensor = 0,
                   top_p: float | torch.Tensor = 1.0,
-                  min_p: float | torch.Tensor = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row; return (tokens_B, logprobs_B). Temperature 0 is greedy.
+                  min_p: float | torch.Tensor = 0.0, with_support: bool = False) -> tuple[torch.Tensor, ...]:
+    """Draw one token per row; return (tokens_B, logprobs_B), and with `with_support` also
+    support_B: how many tokens the truncated distribution of each row kept (0 where nothing was
+    truncated, greedy rows included), which the learner needs to renormalize exactly as the draw
+    did (`truncation.top_n_logprobs`). Temperature 0 is greedy.
 
     `temperature`, `top_k`, `top_p` and `min_p` are one value or one per row (`truncation`:
     0 / 1.0 / 0.0 switch a row's truncation off). A sampled row draws from softmax(logits / T)
@@ -27,9 +30,14 @@ def sample_tokens(logits_BV: torch.Tensor, temperature: float | torch.Tensor,
     0 picks the first token with probability mass, never a zero-probability one; a uniform whose
     scaled value rounds up to the total mass picks the last token with mass (not the last token).
     """
-    logits_BV = logits_BV.float()
+    out = _draw(logits_BV.float(), temperature, generator, uniforms_B,
+                (top_k, top_p, min_p) if is_active(top_k, top_p, min_p) else None)
+    return out if with_support else out[:2]
+
+
+def _draw(logits_BV: torch.Tensor, temperature: float | torch.Tensor, generator: torch.Generator | None,
+          uniforms_B: torch.Tensor | None, truncation: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, V = logits_BV.shape
-    truncation = (top_k, top_p, min_p) if is_active(top_k, top_p, min_p) else None
     if isinstance(temperature, torch.Tensor):
         temp_B = temperature.to(logits_BV.device, torch.float32)
         greedy_B = temp_B.eq(0)
@@ -43,23 +51,27 @@ def sample_tokens(logits_BV: torch.Tensor, temperature: float | torch.Tensor,
     if isinstance(temperature, (int, float)) and temperature == 0:
         logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
         tokens_B = logprobs_BV.argmax(dim=-1)
-        return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+        return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1), torch.zeros_like(tokens_B)
     scaled = logits_BV if isinstance(temperature, (int, float)) and temperature == 1 else logits_BV / temperature
     return _invert_cdf(torch.log_softmax(scaled, dim=-1), generator, uniforms_B, None, truncation)
 
 
 def _invert_cdf(logprobs_BV: torch.Tensor, generator: torch.Generator | None, uniforms_B: torch.Tensor | None,
-                greedy_B: torch.Tensor | None, truncation: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                greedy_B: torch.Tensor | None, truncation: tuple | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, V = logprobs_BV.shape
     if uniforms_B is None:
         device = generator.device if generator is not None else "cpu"
         uniforms_B = torch.rand(B, generator=generator, device=device)
     probs_BV = logprobs_BV.exp()
+    support_B = torch.zeros(B, dtype=torch.long, device=logprobs_BV.device)
     if truncation is not None:  # the kept tokens' mass, renormalized through the CDF's total
         keep_BV = keep_mask(logprobs_BV, *truncation)
         if greedy_B is not None:
             keep_BV |= greedy_B[:, None]
         probs_BV = probs_BV * keep_BV
+        support_B = keep_BV.sum(dim=-1)
+        support_B = support_B.masked_fill(support_B.eq(V), 0)  # a row that kept everything was not truncated
     cdf_BV = probs_BV.cumsum(dim=-1)
     total_B1 = cdf_BV[:, -1:].contiguous()
     u_B1 = uniforms_B.to(logprobs_BV.device)[:, None] * total_B1
@@ -73,4 +85,4 @@ def _invert_cdf(logprobs_BV: torch.Tensor, generator: torch.Generator | None, un
     if truncation is not None:  # log of the renormalized distribution (greedy rows: untruncated)
         renorm_B = lp_B - total_B1.squeeze(1).log()
         lp_B = renorm_B if greedy_B is None else torch.where(greedy_B, lp_B, renorm_B)
-    return tokens_B, lp_B
+    return tokens_B, lp_B, support_B

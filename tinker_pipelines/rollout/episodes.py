@@ -115,7 +115,7 @@ def run_episodes(sampler: Sampler, tokenizer: PreTrainedTokenizerBase, envs: lis
         for e, s in zip(live, samples):
             action = completion_text(tokenizer, s, stop_ids)
             result = checked_step(e.env, action)
-            e.turns.append(Turn(tuple(e.context), s.tokens, s.logprobs, float(result.reward), action))
+            e.turns.append(Turn(tuple(e.context), s.tokens, s.logprobs, float(result.reward), action, s.support))
             e.info = dict(result.info)
             if result.done:
                 e.stop_reason = "done"

@@ -49,6 +49,10 @@ class Sample:
     """The stop string that ended the completion (None: none did). `tokens` then run up to and
     including the token that completed it (that token may carry text past the stop string);
     `completion_text` gives the text before it."""
+    support: tuple[int, ...] = ()
+    """How many tokens the truncated distribution kept at each step (top-k / top-p / min-p), one
+    per token; empty when nothing was truncated. The learner renormalizes over as many of its own
+    most likely tokens (`Datum.support_sizes`), so its logprobs are those of this distribution."""
 
 
 @dataclass
@@ -291,6 +295,7 @@ class Sampler:
         stop_hit: dict[int, str] = {}  # original row -> the stop string that ended it
         tok_BT = torch.empty((B, M), dtype=torch.long, device=device)
         lp_BT = torch.empty((B, M), dtype=torch.float32, device=device)
+        sup_BT = torch.zeros((B, M), dtype=torch.long, device=device) if trunc is not None else None
         live_B = torch.ones(B, dtype=torch.bool, device=device)
         end_B = maxnew_B.clone()  # tokens kept per row
         req_live = [len(r.prompts) for r in requests]
@@ -304,11 +309,14 @@ class Sampler:
 
         def read_out(idx: list[int], t_end: int) -> None:
             toks, lps, ends = tok_BT[idx, :t_end].tolist(), lp_BT[idx, :t_end].tolist(), end_B[idx].tolist()
+            sups = sup_BT[idx, :t_end].tolist() if sup_BT is not None else None
             for j, i in enumerate(idx):
                 n = ends[j]
                 hit = stop_hit.get(rows[i])
+                support = tuple(sups[j][:n]) if sups is not None and any(sups[j][:n]) else ()
                 results[rows[i]] = Sample(tuple(toks[j][:n]), tuple(lps[j][:n]),
-                                          "stop" if hit is not None or toks[j][n - 1] in stop_set else "length", hit)
+                                          "stop" if hit is not None or toks[j][n - 1] in stop_set else "length", hit,
+                                          support)
 
         def stop_string_hits(t: int, candidates_B: torch.Tensor) -> list[int]:
             """Batch rows among `candidates_B` whose text now contains one of their stop strings."""
@@ -341,11 +349,14 @@ class Sampler:
 
         for t in range(M):
             u_B = uniforms()
-            tok_B, lp_B = sample_tokens(logits_BV, temps[0] if uniform_temp else temp_B, None,
-                                        u_B if u_B is not None else torch.zeros(len(rows), device=device),
-                                        **(dict(zip(("top_k", "top_p", "min_p"), trunc)) if trunc else {}))
+            tok_B, lp_B, sup_B = sample_tokens(logits_BV, temps[0] if uniform_temp else temp_B, None,
+                                               u_B if u_B is not None else torch.zeros(len(rows), device=device),
+                                               **(dict(zip(("top_k", "top_p", "min_p"), trunc)) if trunc else {}),
+                                               with_support=True)
             tok_BT[:, t] = tok_B
             lp_BT[:, t] = lp_B
+            if sup_BT is not None:
+                sup_BT[:, t] = sup_B
             done_B = is_stop_V[tok_B] & live_B if stop_ids else torch.zeros_like(live_B)
             if window > 3:
                 hits = stop_string_hits(t, live_B & ~done_B)
@@ -368,6 +379,7 @@ class Sampler:
                     keep = live_B.nonzero().squeeze(1)
                     rows = [rows[i] for i in keep.tolist()]
                     tok_BT, lp_BT, end_B, live_B = tok_BT[keep], lp_BT[keep], end_B[keep], live_B[keep]
+                    sup_BT = sup_BT[keep] if sup_BT is not None else None
                     temp_B, maxnew_B, req_B, row_idx = temp_B[keep], maxnew_B[keep], req_B[keep], row_idx[keep]
                     if trunc is not None and isinstance(trunc[0], torch.Tensor):
                         trunc = tuple(x[keep] for x in trunc)

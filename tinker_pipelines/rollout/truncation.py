@@ -19,8 +19,11 @@ in this order (Hugging Face's order of warpers):
 Each kept set is a threshold on values, never on positions in a sort, so it does not depend on
 how a sort orders ties: the sampler and the learner get the same set from the same values.
 They do not see bit-identical logits (a decode step with a KV cache and a full forward differ by
-~1e-6), so a token within float error of a cut can be in one set and not the other; the learner
-therefore always keeps the target token, whose logprob stays finite (see `target_logprobs`).
+~1e-6), so a token within float error of a cut could be in one set and not the other. The
+sampler therefore reports how many tokens it kept for each draw (`Sample.support`, carried into
+`Datum.support_sizes`), and the learner renormalizes over that many of its own most likely
+tokens (`top_n_logprobs`); where no size was recorded it recomputes the cut from the
+parameters and always keeps the target token, whose logprob stays finite (`target_logprobs`).
 """
 
 from __future__ import annotations
@@ -98,16 +101,58 @@ def keep_mask(logprobs_NV: torch.Tensor, top_k: int | torch.Tensor = 0, top_p: f
 
 def target_logprobs(logits_BKV: torch.Tensor, targets_BK: torch.Tensor, temperature: float | torch.Tensor,
                     top_k: int | torch.Tensor = 0, top_p: float | torch.Tensor = 1.0,
-                    min_p: float | torch.Tensor = 0.0) -> torch.Tensor:
+                    min_p: float | torch.Tensor = 0.0, support_BK: torch.Tensor | None = None) -> torch.Tensor:
     """The learner's logprob of each target [B, K] under the sampling distribution: softmax of
     logits / temperature, truncated and renormalized as the sampler does. Per-row parameters are
     [B, 1] (temperature [B, 1, 1]). With every truncation off this is exactly the plain
-    `log_softmax(logits / temperature).gather(targets)`. The target is always kept: a token the
-    sampler drew has mass, even where float error puts it just outside the learner's cut."""
+    `log_softmax(logits / temperature).gather(targets)`.
+
+    `support_BK` is the size of the set the sampler kept when it drew each target (`Sample.support`;
+    0: not recorded). Where it is given the learner keeps the same number of tokens, its own top
+    `n`, instead of recomputing the cut from the parameters: a token within float error of a cut
+    then cannot land on the other side of it (see `top_n_logprobs`). Elsewhere the target is
+    always kept: a token the sampler drew has mass, even where float error puts it just outside
+    the learner's cut."""
     logprobs_BKV = torch.log_softmax(logits_BKV.float() / temperature, dim=-1)
+    target_BK = logprobs_BKV.gather(-1, targets_BK[..., None]).squeeze(-1)
+    sized_BK = support_BK.gt(0) if support_BK is not None else None
+    if sized_BK is not None and bool(sized_BK.all()):
+        return top_n_logprobs(logprobs_BKV, target_BK, support_BK)
     if not is_active(top_k, top_p, min_p):
-        return logprobs_BKV.gather(-1, targets_BK[..., None]).squeeze(-1)
-    keep = keep_mask(logprobs_BKV, top_k, top_p, min_p)
-    keep.scatter_(-1, targets_BK[..., None], True)
-    masked = logprobs_BKV.masked_fill(~keep, -math.inf)
-    return logprobs_BKV.gather(-1, targets_BK[..., None]).squeeze(-1) - torch.logsumexp(masked, dim=-1)
+        by_params_BK = target_BK
+    else:
+        keep = keep_mask(logprobs_BKV, top_k, top_p, min_p)
+        keep.scatter_(-1, targets_BK[..., None], True)
+        by_params_BK = target_BK - torch.logsumexp(logprobs_BKV.masked_fill(~keep, -math.inf), dim=-1)
+    if sized_BK is None or not bool(sized_BK.any()):
+        return by_params_BK
+    return torch.where(sized_BK, top_n_logprobs(logprobs_BKV, target_BK, support_BK), by_params_BK)
+
+
+def top_n_logprobs(logprobs_BKV: torch.Tensor, target_BK: torch.Tensor, n_BK: torch.Tensor) -> torch.Tensor:
+    """Each target's logprob renormalized over the `n` most likely tokens of its row (n >= 1).
+
+    The sampler's kept set is always an upper set of values (every truncation is a threshold),
+    so it is the sampler's top n. The learner's logits differ from the sampler's by float error,
+    which can swap the n-th and the (n+1)-th token; when that puts the target itself outside the
+    learner's top n, the sampler's set is the learner's top n - 1 plus the target, and that is
+    what the target is renormalized over. Any other swap changes the normalizer by the
+    difference of two nearly equal probabilities.
+
+    >>> lp = torch.log_softmax(torch.tensor([[3.0, 2.0, 1.0, 0.0]]), dim=-1)
+    >>> x = top_n_logprobs(lp, lp[:, 1], torch.tensor([2]))  # renormalized over the top two
+    >>> bool(torch.isclose(x, lp[:, 1] - torch.logsumexp(lp[:, :2], dim=-1)).all())
+    True
+    >>> y = top_n_logprobs(lp, lp[:, 2], torch.tensor([2]))  # the target ranks third: {top 1, target}
+    >>> bool(torch.isclose(y, lp[:, 2] - torch.logaddexp(lp[:, 0], lp[:, 2])).all())
+    True
+    """
+    V = logprobs_BKV.shape[-1]
+    n_BK = n_BK.to(device=logprobs_BKV.device, dtype=torch.long).clamp(1, V)
+    top_BKN = logprobs_BKV.topk(int(n_BK.max()), dim=-1).values  # sorted, largest first; differentiable
+    lse_BKN = torch.logcumsumexp(top_BKN, dim=-1)
+    lse_n_BK = lse_BKN.gather(-1, (n_BK - 1)[..., None]).squeeze(-1)
+    rank_BK = logprobs_BKV.detach().gt(target_BK.detach()[..., None]).sum(dim=-1)  # tokens strictly above
+    lse_before_BK = lse_BKN.gather(-1, (n_BK - 2).clamp(min=0)[..., None]).squeeze(-1)
+    swapped_BK = torch.where(n_BK > 1, torch.logaddexp(lse_before_BK, target_BK), target_BK)
+    return target_BK - torch.where(rank_BK < n_BK, lse_n_BK, swapped_BK)

@@ -180,7 +180,7 @@ class WorkerBackend:
             if r.generator is not None:
                 r.generator.set_state(torch.frombuffer(bytearray(out["generator_state"]), dtype=torch.uint8))
             self.batches += 1
-            job.future.set_result([Sample(tuple(t), tuple(lp), r, *rest) for t, lp, r, *rest in out["samples"]])
+            job.future.set_result([Sample(tuple(t), tuple(lp), r, s, tuple(n)) for t, lp, r, s, n in out["samples"]])
         except BaseException as e:  # noqa: BLE001
             job.future.set_exception(e)
 

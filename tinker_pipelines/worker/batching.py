@@ -173,7 +173,7 @@ def _one_pass(model: torch.nn.Module, lead: Learner, members: list[tuple[FBJob, 
     if needs_ref:
         with torch.no_grad(), model.disable_adapter():
             ref_BT = lead._forward(model, padded, temperature=temp_B11, truncation=truncation, head=None,
-                                  plan=plan)[0]
+                                  plan=plan, sampled_support=False)[0]
     heads = [(s, e, j.learner.value_head) for s, e, j in bounds]
     head = _SegmentHeads(heads) if any(h is not None for _, _, h in heads) else None
     with model.disable_adapter(), row_adapters(model, layouts):

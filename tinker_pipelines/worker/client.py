@@ -187,7 +187,7 @@ class RemoteSampler:
                                   top_k=top_k, top_p=top_p, min_p=min_p, stop=list(stop))
         if generator is not None:
             generator.set_state(torch.frombuffer(bytearray(out["generator_state"]), dtype=torch.uint8))
-        return [Sample(tuple(t), tuple(lp), r, s) for t, lp, r, s in out["samples"]]
+        return [Sample(tuple(t), tuple(lp), r, s, tuple(n)) for t, lp, r, s, n in out["samples"]]
 
 
 def start_worker(model: str, address: str | Path, device: str = "auto", dtype: str = "auto",

@@ -182,7 +182,8 @@ class Engine:
     def sample(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Requests: {adapter, prompts, max_new_tokens, temperature, generator_state} and optional
         top_k, top_p, min_p, stop (`SampleRequest`'s); each reply has the samples (tokens,
-        logprobs, stop_reason, stop_string) and the advanced generator state (or an error of its own)."""
+        logprobs, stop_reason, stop_string, support) and the advanced generator state (or an error
+        of its own)."""
         replies: list[dict[str, Any] | None] = [None] * len(requests)
         ready: list[tuple[int, SampleRequest, torch.Generator]] = []
         rows = 0
@@ -214,7 +215,8 @@ class Engine:
                     out = [self.sampler.sample(req.prompts, req.max_new_tokens, req.temperature, req.generator,
                                                top_k=req.top_k, top_p=req.top_p, min_p=req.min_p, stop=req.stop)]
             for (i, req, gen), samples in zip(group, out):
-                replies[i] = {"samples": [(s.tokens, s.logprobs, s.stop_reason, s.stop_string) for s in samples],
+                replies[i] = {"samples": [(s.tokens, s.logprobs, s.stop_reason, s.stop_string, s.support)
+                                          for s in samples],
                               "generator_state": gen.get_state().numpy().tobytes()
                               if requests[i].get("generator_state") is not None else None}
         return replies  # type: ignore[return-value]

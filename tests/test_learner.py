@@ -287,3 +287,18 @@ def test_missing_untied_output_layer_is_an_error(tiny, tmp_path):
     assert "lm_head.weight" not in load_file(str(tmp_path / "tied" / "model.safetensors"))
     Learner(copy.deepcopy(model), LearnerConfig(mode="full"), tok.pad_token_id).load_state(tmp_path / "tied")
     assert tied.verify_checkpoint(tmp_path / "tied", [1, 2, 3])["missing"] == []
+
+
+def test_untied_checkpoint_into_a_tied_model_is_an_error(tiny, tmp_path):
+    """A tied model holds one tensor for both names: loading an untied model's two different
+    ones would keep whichever loads last, a policy that was never trained."""
+    from tinker_pipelines import checkpoint as ckpt
+
+    model, tok = tiny
+    untied = Learner(_untied(model), LearnerConfig(mode="full"), tok.pad_token_id)
+    untied.save_state(tmp_path / "untied")
+    tied = Learner(copy.deepcopy(model), LearnerConfig(mode="full"), tok.pad_token_id)
+    before = {k: v.clone() for k, v in tied.model.state_dict().items()}
+    with pytest.raises(ckpt.CheckpointError, match=r"'lm_head\.weight' different from 'model\.embed_tokens\.weight'.*ties"):
+        tied.load_state(tmp_path / "untied")
+    assert all(torch.equal(before[k], v) for k, v in tied.model.state_dict().items())  # nothing changed

@@ -189,6 +189,21 @@ def state_fit(loaded: set[str], wanted: set[str], aliases: dict[str, str]) -> tu
     return sorted(wanted - have), sorted(loaded - wanted - set(aliases))
 
 
+def untied_in(state: dict[str, torch.Tensor], aliases: dict[str, str]) -> list[str]:
+    """Tied names (`tied_aliases`) whose tensor in `state` differs from their first name's: a
+    checkpoint of a model that did not tie them, which a tied model cannot hold (loading would
+    keep one of the two and silently change the policy).
+
+    >>> e = torch.zeros(2)
+    >>> untied_in({"embed.weight": e, "lm_head.weight": e.clone()}, {"lm_head.weight": "embed.weight"})
+    []
+    >>> untied_in({"embed.weight": e, "lm_head.weight": e + 1}, {"lm_head.weight": "embed.weight"})
+    ['lm_head.weight']
+    """
+    return sorted(a for a, name in aliases.items() if a in state and name in state
+                  and not torch.equal(state[a], state[name]))
+
+
 def misfit_message(path: Path, files: list[Path], missing: list[str], unexpected: list[str]) -> str:
     """What a full checkpoint that does not fit the model lacks or has too much, naming its files."""
     names = ", ".join(f.name for f in files) or "(no model*.safetensors)"

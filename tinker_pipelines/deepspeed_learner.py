@@ -327,9 +327,14 @@ class DeepSpeedLearner(Learner):
         for f in files:
             state.update(load_file(str(f)))
         names = [n for n, _ in self._trained.policy.named_parameters()]  # one name per tie
-        missing, unexpected = ckpt.state_fit(set(state), set(names), ckpt.tied_aliases(self._trained.policy))
+        aliases = ckpt.tied_aliases(self._trained.policy)
+        missing, unexpected = ckpt.state_fit(set(state), set(names), aliases)
         if missing or unexpected:
             raise ckpt.CheckpointError(ckpt.misfit_message(path, files, missing, unexpected))
+        untied = ckpt.untied_in(state, aliases)
+        if untied:  # the tie keeps one tensor: the other one's training would be dropped
+            raise ckpt.CheckpointError(f"checkpoint {path} has {untied[0]!r} different from {aliases[untied[0]]!r}, "
+                                       "but this model ties them (tie_word_embeddings)")
         values = [state[n] for n in names]
         if self.value_head is not None:
             head = load_file(str(path / VALUE_HEAD_FILE))

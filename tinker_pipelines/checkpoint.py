@@ -204,6 +204,16 @@ def untied_in(state: dict[str, torch.Tensor], aliases: dict[str, str]) -> list[s
                   and not torch.equal(state[a], state[name]))
 
 
+def check_ties(path: Path, state: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
+    """Raise `CheckpointError` when the full checkpoint at `path` has two different tensors for
+    names the model ties (`untied_in`)."""
+    untied = untied_in(state, aliases)
+    if untied:
+        raise CheckpointError(f"checkpoint {path} has {untied[0]!r} different from {aliases[untied[0]]!r}, but this "
+                              "model ties them (tie_word_embeddings): it was trained on a model with a separate "
+                              "output layer")
+
+
 def misfit_message(path: Path, files: list[Path], missing: list[str], unexpected: list[str]) -> str:
     """What a full checkpoint that does not fit the model lacks or has too much, naming its files."""
     names = ", ".join(f.name for f in files) or "(no model*.safetensors)"

@@ -331,10 +331,7 @@ class DeepSpeedLearner(Learner):
         missing, unexpected = ckpt.state_fit(set(state), set(names), aliases)
         if missing or unexpected:
             raise ckpt.CheckpointError(ckpt.misfit_message(path, files, missing, unexpected))
-        untied = ckpt.untied_in(state, aliases)
-        if untied:  # the tie keeps one tensor: the other one's training would be dropped
-            raise ckpt.CheckpointError(f"checkpoint {path} has {untied[0]!r} different from {aliases[untied[0]]!r}, "
-                                       "but this model ties them (tie_word_embeddings)")
+        ckpt.check_ties(path, state, aliases)  # the tie keeps one tensor: the other one's training would be lost
         values = [state[n] for n in names]
         if self.value_head is not None:
             head = load_file(str(path / VALUE_HEAD_FILE))

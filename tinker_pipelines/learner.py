@@ -398,12 +398,7 @@ class Learner:
                                                  ckpt.tied_aliases(self.model))
             if missing or unexpected:
                 raise ckpt.CheckpointError(ckpt.misfit_message(path, files, missing, unexpected))
-            aliases = ckpt.tied_aliases(self.model)
-            untied = ckpt.untied_in(state, aliases)
-            if untied:
-                raise ckpt.CheckpointError(
-                    f"checkpoint {path} has {untied[0]!r} different from {aliases[untied[0]]!r}, but this model ties "
-                    "them (tie_word_embeddings): it was trained on a model with a separate output layer")
+            ckpt.check_ties(path, state, ckpt.tied_aliases(self.model))
             self.model.load_state_dict(state, strict=False)  # strict would want both names of a tie
         opt = ckpt.load_torch_file(path / "optimizer.pt", map_location=self.device)
         self.optimizer.load_state_dict(opt["optimizer"])

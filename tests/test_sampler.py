@@ -199,3 +199,18 @@ def test_invalidate_after_edits_through_data(tiny):
     sampler.invalidate()
     fresh = Sampler(model, tok.pad_token_id, [], reuse_prompts=False)
     assert [s.tokens for s in sampler.sample(prompts, 6, 0.0)] == [s.tokens for s in fresh.sample(prompts, 6, 0.0)]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
+def test_blocked_output_layer_is_bitwise_the_plain_one(rows):
+    """The decoder's output layer runs in column blocks on CPU (faster for a 49k vocabulary);
+    every logit must be the very float `F.linear` gives, so greedy decoding and logprobs are
+    unchanged. A vocabulary that is not a multiple of the block leaves a short last block."""
+    from tinker_pipelines.rollout.lean_llama import blocked_linear
+
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g)
+    weight, bias = torch.randn(5000, 96, generator=g) * 0.05, torch.randn(5000, generator=g)
+    for b in (None, bias):
+        got = blocked_linear(x, weight, b, block=512)
+        assert got.shape == (rows, 5000) and torch.equal(got, torch.nn.functional.linear(x, weight, b))

@@ -32,6 +32,29 @@ from transformers.models.llama.modeling_llama import LlamaForCausalLM, rotate_ha
 
 from tinker_pipelines.rollout.mixed_lora import RowAdapters
 
+HEAD_BLOCK = 1024
+"""Output-layer columns per matmul on CPU (`blocked_linear`)."""
+
+
+def blocked_linear(x_BH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None = None,
+                   block: int = HEAD_BLOCK) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a wide output layer, bitwise the same. On CPU it runs in
+    blocks of `block` output columns: for a few rows against a 49k-token vocabulary, MKL's one
+    call packs the whole 113 MB weight and runs ~1.5x slower than blocks that stay in cache
+    (measured on SmolLM2's head at 16 and 64 rows). Each output is the same dot product over
+    the hidden size either way. Elsewhere (a GPU) it is one `F.linear`."""
+    V = weight_VH.shape[0]
+    if x_BH.device.type != "cpu" or x_BH.dim() != 2 or V <= 2 * block:
+        return F.linear(x_BH, weight_VH, bias_V)
+    out_BV = x_BH.new_empty((x_BH.shape[0], V))
+    for start in range(0, V, block):
+        w = weight_VH[start:start + block]
+        if bias_V is None:
+            torch.mm(x_BH, w.t(), out=out_BV[:, start:start + block])
+        else:
+            torch.addmm(bias_V[start:start + block], x_BH, w.t(), out=out_BV[:, start:start + block])
+    return out_BV
+
 
 def unwrap_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """The causal LM inside a PEFT wrapper (its LoRA layers stay injected), else `model`."""
@@ -278,7 +301,7 @@ class LeanLlamaDecoder:
         x = h[:, -1]
         x = self.norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon))
         self._setup(mask_BL, positions_BL, max_new_tokens, x.dtype)
-        return F.linear(x, *self.head)
+        return blocked_linear(x, *self.head)
 
     def set_adapters(self, names: list[str | None], row_adapter: list[int]) -> bool:
         """Rows decode with adapter `names[row_adapter[i]]` (None: the bare base); base-only
@@ -346,7 +369,7 @@ class LeanLlamaDecoder:
             h = h + self._lin(act(gate) * up, d_wb, li, 3)
         x = h[:, -1]
         x = self.norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon))
-        return F.linear(x, *self.head)
+        return blocked_linear(x, *self.head)
 
     def _step_modules(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                       col: int) -> torch.Tensor:

@@ -17,8 +17,13 @@ episodes vs a per-episode loop.
 3. Decode FLOP/s ~= 2 x parameters x tokens/s (one multiply-add per weight per token; ignores
    attention over the KV cache and the embedding lookup, counts a tied lm_head once), as a
    fraction of the best torch fp32 matmul rate measured in this process.
+4. On SmolLM2 (`benchmarks.rollout_sweep`): a sweep over batch sizes (`--sweep`, default
+   1,4,16,64,128; prose prompts, so rows decode their whole `--sweep-tokens`) against HF
+   `generate`, printed and plotted to `--plot`; and greedy agreement with `generate`
+   (identical tokens, largest logprob difference).
 
-The last line is one JSON object: ratio_tiny, ratio_smollm2, ratio_multiturn, peak_fraction.
+The last line is one JSON object: ratio_tiny, ratio_smollm2, ratio_multiturn, peak_fraction,
+ratio_smollm2_b64, peak_fraction_b64, sweep, greedy_identical, greedy_max_logprob_diff.
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
 import torch
 
+from benchmarks import rollout_sweep
 from tinker_pipelines.envs.guess_number import GuessNumberEnv
 from tinker_pipelines.models import encode_chat, load_model, stop_token_ids
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes
@@ -172,6 +179,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--turn-tokens", type=int, default=16, help="max_new_tokens per multi-turn turn")
     parser.add_argument("--skip-multiturn-smollm2", action="store_true",
                         help="multi-turn on tiny only (the SmolLM2 reference row takes ~1-2 minutes)")
+    parser.add_argument("--sweep", default="1,4,16,64,128", help="SmolLM2 batch sizes to sweep ('': none)")
+    parser.add_argument("--sweep-tokens", type=int, default=32, help="max_new_tokens of each sweep call")
+    parser.add_argument("--plot", default="runs/benchmarks/rollout_sweep.png", help="where the sweep's PNG goes")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's, or 1 when other jobs keep the cores busy)")
     args = parser.parse_args(argv)
@@ -192,9 +202,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows, decode = [], {}
     names = ["tiny"] + ([] if args.skip_smollm2 else ["smollm2-135m-instruct"])
-    multis = []
+    multis, swept, greedy = [], [], None
+    batches = [int(x) for x in args.sweep.split(",") if x.strip()]
     for name in names:
         model, tok = load_model(name)
+        if name != "tiny":
+            greedy = rollout_sweep.greedy_agreement(model, tok, 8, args.sweep_tokens)
+            print(f"  greedy vs HF generate: identical {greedy['identical']}, largest logprob difference "
+                  f"{greedy['max_logprob_diff']:.2e} over {greedy['tokens']} tokens", flush=True)
+            swept = rollout_sweep.sweep(model, tok, batches, args.sweep_tokens, peak) if batches else []
         row = single_turn(name, model, tok, args.batch, args.new_tokens, args.repeats)
         rows.append(row)
         print(f"  {name}: ours {row['ours_tok_s']:.0f} tok/s, HF {row['hf_tok_s']:.0f} tok/s", flush=True)
@@ -226,6 +242,15 @@ def main(argv: list[str] | None = None) -> dict:
         secs = f"{m['ours_s']:.1f}/{m['loop_s']:.1f}"
         print(f"{m['model']:<24}{m['episodes']:>9}{m['ours_tok_s']:>12.0f}{m['loop_tok_s']:>12.0f}{m['ratio']:>8.2f}"
               f"{turns:>17}{secs:>19}")
+    if swept:
+        print(f"\nSmolLM2 sweep: temperature 1.0, prose prompts, max_new_tokens {args.sweep_tokens}, one timed call each")
+        print(f"{'batch':>6}{'ours tok/s':>12}{'HF tok/s':>12}{'ratio':>8}{'ours of peak':>14}{'HF of peak':>12}")
+        for r in swept:
+            print(f"{r['batch']:>6}{r['ours_tok_s']:>12.0f}{r['hf_tok_s']:>12.0f}{r['ratio']:>8.2f}"
+                  f"{r['peak_fraction']:>14.1%}{r['hf_peak_fraction']:>12.1%}")
+        png = rollout_sweep.plot(swept, Path(args.plot), f"SmolLM2-135M-Instruct, fp32, {torch.get_num_threads()} "
+                                 f"thread(s), peak {peak:.0f} GFLOP/s")
+        print(f"plot: {png}" if png else "plot: matplotlib is not installed")
     multi = multis[0]
     peak_model = names[-1]
     print(f"\ndecode FLOP/s ~= 2 x params x tokens/s (matmuls only); peak fraction from {peak_model}; "
@@ -239,6 +264,11 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_gflops": round(peak, 1),
         "multiturn_model": multi["model"],
         "ratio_multiturn_smollm2": round(multis[1]["ratio"], 3) if len(multis) > 1 else None,
+        "ratio_smollm2_b64": next((r["ratio"] for r in swept if r["batch"] == 64), None),
+        "peak_fraction_b64": next((r["peak_fraction"] for r in swept if r["batch"] == 64), None),
+        "sweep": [{k: r[k] for k in ("batch", "ours_tok_s", "hf_tok_s", "ratio", "peak_fraction")} for r in swept],
+        "greedy_identical": greedy["identical"] if greedy else None,
+        "greedy_max_logprob_diff": greedy["max_logprob_diff"] if greedy else None,
         "batch": args.batch,
         "threads": torch.get_num_threads(),
         "load_average": round(os.getloadavg()[0], 1),

@@ -1,0 +1,132 @@
+"""Parts of `benchmarks.rollout` on SmolLM2: a batch-size sweep against HF `generate`, and greedy
+agreement with it.
+
+- Sweep: for each batch size, prompts that ask for prose (rows mostly decode all
+  `max_new_tokens`, so the figure is decode speed, not prefill), temperature 1.0 over the full
+  vocabulary, ours and HF interleaved after one warm-up each; tokens counted up to each row's
+  first stop token. Peak fraction = 2 x parameters x tokens/s over the fp32 matmul peak measured
+  in the same process. Plotted to a PNG (tokens/s and peak fraction against batch size).
+- Greedy: the same prompts at temperature 0 through our sampler and `generate(do_sample=False)`
+  with its raw logits: every row's tokens must be equal, and our reported logprobs (log_softmax
+  at temperature 1 of the chosen token) are compared with HF's.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from tinker_pipelines.models import encode_chat, stop_token_ids
+from tinker_pipelines.rollout.sampler import Sampler
+
+TOPICS = ["a lighthouse", "the sea", "a mountain village", "a clockmaker", "winter", "a library", "rain", "a train"]
+
+
+def prose_prompts(tokenizer, n: int) -> list[list[int]]:
+    """n chat prompts asking for a short story (uneven lengths)."""
+    return [encode_chat(tokenizer, [{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]}."
+                                                                + " Make it vivid." * (i % 3)}]) for i in range(n)]
+
+
+def _left_padded(tokenizer, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    L = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), L), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p)
+        mask[i, L - len(p):] = 1
+    return ids, mask, L
+
+
+def _until_stop(row: list[int], stops: set[int]) -> list[int]:
+    for j, t in enumerate(row):
+        if t in stops:
+            return row[:j + 1]
+    return row
+
+
+def sweep(model, tokenizer, batches: list[int], max_new_tokens: int, peak_gflops: float) -> list[dict]:
+    """Ours vs HF `generate` tokens/s at each batch size (one timed call each, after a warm-up)."""
+    stops = stop_token_ids(tokenizer)
+    sampler = Sampler(model, tokenizer.pad_token_id, stops)
+    params = sum(p.numel() for p in model.parameters())
+    rows = []
+    with torch.inference_mode():
+        for B in batches:
+            prompts = prose_prompts(tokenizer, B)
+            ids, mask, L = _left_padded(tokenizer, prompts)
+            kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=stops,
+                          pad_token_id=tokenizer.pad_token_id)
+            sampler.sample(prompts, 2, 1.0, torch.Generator().manual_seed(0))  # warm-up
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, **kwargs)
+            start = time.perf_counter()
+            ours = sum(len(s.tokens) for s in sampler.sample(prompts, max_new_tokens, 1.0,
+                                                             torch.Generator().manual_seed(1)))
+            ours_s = time.perf_counter() - start
+            torch.manual_seed(1)
+            start = time.perf_counter()
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, **kwargs)
+            hf_s = time.perf_counter() - start
+            hf = sum(len(_until_stop(r, set(stops))) for r in out[:, L:].tolist())
+            o, h = ours / ours_s, hf / hf_s
+            rows.append({"batch": B, "ours_tok_s": round(o, 1), "hf_tok_s": round(h, 1), "ratio": round(o / h, 3),
+                         "peak_fraction": round(2 * params * o / 1e9 / peak_gflops, 4),
+                         "hf_peak_fraction": round(2 * params * h / 1e9 / peak_gflops, 4),
+                         "tokens": [ours, hf]})
+            print(f"  sweep batch {B}: ours {o:.0f} tok/s, HF {h:.0f} tok/s", flush=True)
+    return rows
+
+
+def greedy_agreement(model, tokenizer, batch: int, max_new_tokens: int) -> dict:
+    """Our greedy decode vs `generate(do_sample=False)`: identical tokens, logprob differences."""
+    stops = stop_token_ids(tokenizer)
+    prompts = prose_prompts(tokenizer, batch)
+    ids, mask, L = _left_padded(tokenizer, prompts)
+    with torch.inference_mode():
+        ours = Sampler(model, tokenizer.pad_token_id, stops).sample(prompts, max_new_tokens, 0.0)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=stops, pad_token_id=tokenizer.pad_token_id, output_logits=True,
+                             return_dict_in_generate=True)
+    logits_TBV = torch.stack(out.logits)  # raw logits of every generated position
+    identical, diff, compared = True, 0.0, 0
+    for b, s in enumerate(ours):
+        hf_tokens = _until_stop(out.sequences[b, L:].tolist(), set(stops))
+        identical &= list(s.tokens) == hf_tokens
+        n = min(len(s.tokens), len(hf_tokens))
+        hf_lp = torch.log_softmax(logits_TBV[:n, b].float(), dim=-1).gather(
+            1, torch.tensor(hf_tokens[:n])[:, None]).squeeze(1)
+        diff = max(diff, float((torch.tensor(s.logprobs[:n]) - hf_lp).abs().max()) if n else 0.0)
+        compared += n
+    return {"identical": bool(identical), "max_logprob_diff": diff, "tokens": compared}
+
+
+def plot(rows: list[dict], path: Path, title: str) -> Path | None:
+    """Tokens/s and peak fraction against batch size; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    batches = [r["batch"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(batches, [r["ours_tok_s"] for r in rows], "o-", label="ours")
+    a.plot(batches, [r["hf_tok_s"] for r in rows], "s--", label="HF generate")
+    a.set(xscale="log", xlabel="batch size", ylabel="tokens/s", title="decode throughput")
+    b.plot(batches, [r["peak_fraction"] for r in rows], "o-", label="ours")
+    b.plot(batches, [r["hf_peak_fraction"] for r in rows], "s--", label="HF generate")
+    b.set(xscale="log", xlabel="batch size", ylabel="fraction of fp32 matmul peak", title="peak fraction")
+    for ax in (a, b):
+        ax.minorticks_off()
+        ax.set_xticks(batches, [str(x) for x in batches])
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

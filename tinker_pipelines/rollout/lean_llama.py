@@ -13,6 +13,9 @@ for one new token per row with none of that:
   cannot be merged (DoRA, LoRA bias, ...) run through the model's own sub-modules instead;
 - the prefill is the model's own forward, except that a prompt extending one of the previous
   call's prompts (`PromptStore`) reuses their keys/values and runs only its new tokens.
+- on CPU the output layer runs in blocks of `HEAD_BLOCK` vocabulary columns (`blocked_linear`):
+  bitwise the same logits, and ~1.5x faster than one matmul over a 49k vocabulary at decode
+  batch sizes, where it is a third of the step.
 
 The attention call mirrors transformers' SDPA path for one query token (grouped-query heads
 packed along the query axis), so greedy outputs match `model.generate` token for token.

@@ -30,14 +30,14 @@ def prose_prompts(tokenizer, n: int) -> list[list[int]]:
                                                                 + " Make it vivid." * (i % 3)}]) for i in range(n)]
 
 
-def _left_padded(tokenizer, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _left_padded(tokenizer, prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
     L = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), L), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), L), dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, L - len(p):] = torch.tensor(p)
         mask[i, L - len(p):] = 1
-    return ids, mask, L
+    return ids.to(device), mask.to(device), L
 
 
 def _until_stop(row: list[int], stops: set[int]) -> list[int]:
@@ -48,7 +48,9 @@ def _until_stop(row: list[int], stops: set[int]) -> list[int]:
 
 
 def sweep(model, tokenizer, batches: list[int], max_new_tokens: int, peak_gflops: float) -> list[dict]:
-    """Ours vs HF `generate` tokens/s at each batch size (one timed call each, after a warm-up)."""
+    """Ours vs HF `generate` tokens/s at each batch size (one timed call each, after a warm-up),
+    on the model's device and dtype."""
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     stops = stop_token_ids(tokenizer)
     sampler = Sampler(model, tokenizer.pad_token_id, stops)
     params = sum(p.numel() for p in model.parameters())
@@ -56,18 +58,21 @@ def sweep(model, tokenizer, batches: list[int], max_new_tokens: int, peak_gflops
     with torch.inference_mode():
         for B in batches:
             prompts = prose_prompts(tokenizer, B)
-            ids, mask, L = _left_padded(tokenizer, prompts)
+            ids, mask, L = _left_padded(tokenizer, prompts, model.device)
             kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=stops,
                           pad_token_id=tokenizer.pad_token_id)
             sampler.sample(prompts, 2, 1.0, torch.Generator().manual_seed(0))  # warm-up
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, **kwargs)
+            sync()
             start = time.perf_counter()
             ours = sum(len(s.tokens) for s in sampler.sample(prompts, max_new_tokens, 1.0,
                                                              torch.Generator().manual_seed(1)))
             ours_s = time.perf_counter() - start
             torch.manual_seed(1)
+            sync()
             start = time.perf_counter()
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, **kwargs)
+            sync()
             hf_s = time.perf_counter() - start
             hf = sum(len(_until_stop(r, set(stops))) for r in out[:, L:].tolist())
             o, h = ours / ours_s, hf / hf_s
@@ -83,7 +88,7 @@ def greedy_agreement(model, tokenizer, batch: int, max_new_tokens: int) -> dict:
     """Our greedy decode vs `generate(do_sample=False)`: identical tokens, logprob differences."""
     stops = stop_token_ids(tokenizer)
     prompts = prose_prompts(tokenizer, batch)
-    ids, mask, L = _left_padded(tokenizer, prompts)
+    ids, mask, L = _left_padded(tokenizer, prompts, model.device)
     with torch.inference_mode():
         ours = Sampler(model, tokenizer.pad_token_id, stops).sample(prompts, max_new_tokens, 0.0)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,

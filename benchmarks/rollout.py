@@ -86,12 +86,7 @@ def _count_until_stop(rows: list[list[int]], stops: set[int]) -> int:
 def hf_generate_batch(model, tokenizer, prompts: list[list[int]], stops: list[int], max_new_tokens: int,
                       seed: int) -> int:
     """Plain `generate` on the left-padded batch; returns the generated tokens counted honestly."""
-    L = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), L), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), L), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, L - len(p):] = torch.tensor(p)
-        mask[i, L - len(p):] = 1
+    ids, mask, L = rollout_sweep.left_padded(tokenizer, prompts)
     torch.manual_seed(seed)
     out = model.generate(input_ids=ids, attention_mask=mask, **_hf_kwargs(model, tokenizer, stops, max_new_tokens))
     return _count_until_stop(out[:, L:].tolist(), set(stops))

@@ -30,7 +30,9 @@ def prose_prompts(tokenizer, n: int) -> list[list[int]]:
                                                                 + " Make it vivid." * (i % 3)}]) for i in range(n)]
 
 
-def _left_padded(tokenizer, prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+def left_padded(tokenizer, prompts: list[list[int]], device: torch.device | str = "cpu"
+                ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(ids, attention mask, prompt length) of the prompts left-padded into one batch for `generate`."""
     L = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), L), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), L), dtype=torch.long)
@@ -58,7 +60,7 @@ def sweep(model, tokenizer, batches: list[int], max_new_tokens: int, peak_gflops
     with torch.inference_mode():
         for B in batches:
             prompts = prose_prompts(tokenizer, B)
-            ids, mask, L = _left_padded(tokenizer, prompts, model.device)
+            ids, mask, L = left_padded(tokenizer, prompts, model.device)
             kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=stops,
                           pad_token_id=tokenizer.pad_token_id)
             sampler.sample(prompts, 2, 1.0, torch.Generator().manual_seed(0))  # warm-up
@@ -88,7 +90,7 @@ def greedy_agreement(model, tokenizer, batch: int, max_new_tokens: int) -> dict:
     """Our greedy decode vs `generate(do_sample=False)`: identical tokens, logprob differences."""
     stops = stop_token_ids(tokenizer)
     prompts = prose_prompts(tokenizer, batch)
-    ids, mask, L = _left_padded(tokenizer, prompts, model.device)
+    ids, mask, L = left_padded(tokenizer, prompts, model.device)
     with torch.inference_mode():
         ours = Sampler(model, tokenizer.pad_token_id, stops).sample(prompts, max_new_tokens, 0.0)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,

@@ -100,3 +100,21 @@ def test_unmergeable_adapter_falls_back_to_one_adapter_at_a_time():
     peft.set_adapter("d")
     alone = Sampler(peft, tok.pad_token_id, stop_token_ids(tok)).sample([prompt], 6, 0.0)
     assert out[0][0].tokens == alone[0].tokens
+
+
+def test_mixed_batch_shares_each_adapters_prompt_prefix():
+    """A common prompt prefix is prefilled once per adapter (LoRA changes its keys and values):
+    every row still gets its own adapter's logprobs."""
+    import tinker_pipelines.rollout.sampler as sampler_module
+
+    model, tok = _multi_adapter_model()
+    system = tok.encode("<|im_start|>system\nYou add numbers and answer with the sum only.<|im_end|>\n")
+    prompts = [system + tok.encode(f"<|im_start|>user\n{a} + {b} = ?<|im_end|>\n<|im_start|>assistant\n")
+               for a, b in [(1, 2), (3, 4), (5, 6)]]
+    assert sampler_module.shared_prefix_len([tuple(p) for p in prompts]) >= len(system)
+    sampler = Sampler(model, tok.pad_token_id, stop_token_ids(tok))
+    reqs = [SampleRequest(prompts, 8, 1.0, torch.Generator().manual_seed(i), name) for i, name in enumerate(ADAPTERS)]
+    for req, samples in zip(reqs, sampler.sample_requests(reqs)):
+        for prompt, s in zip(req.prompts, samples):
+            want = _teacher_logprobs(model, req.adapter, prompt, s.tokens)
+            assert max(abs(a - b) for a, b in zip(s.logprobs, want)) < 1e-5

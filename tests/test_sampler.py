@@ -214,3 +214,49 @@ def test_blocked_output_layer_is_bitwise_the_plain_one(rows):
     for b in (None, bias):
         got = blocked_linear(x, weight, b, block=512)
         assert got.shape == (rows, 5000) and torch.equal(got, torch.nn.functional.linear(x, weight, b))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12, 16, 40, 64, 128, 200])
+def test_streamed_linear_is_bitwise_the_plain_one(rows):
+    """At decode row counts the lean decoder's linears compute `(W @ x^T)^T` on CPU (the weight
+    streams as stored instead of being re-packed per call); every output must be the very float
+    `F.linear` gives, for 2-D and 3-D inputs, with and without bias, at SmolLM2's layer shapes."""
+    from tinker_pipelines.rollout.lean_llama import blocked_linear, rows_linear
+
+    g = torch.Generator().manual_seed(rows)
+    for n_out, n_in in ((960, 576), (3072, 576), (576, 1536)):
+        weight, bias = torch.randn(n_out, n_in, generator=g) * 0.05, torch.randn(n_out, generator=g)
+        x = torch.randn(rows, 1, n_in, generator=g)
+        for b in (None, bias):
+            want = torch.nn.functional.linear(x, weight, b)
+            assert torch.equal(rows_linear(x, weight, b), want)
+            assert torch.equal(rows_linear(x[:, 0], weight, b), want[:, 0])
+    head = torch.randn(5000, 576, generator=g) * 0.05
+    x = torch.randn(rows, 576, generator=g)
+    assert torch.equal(blocked_linear(x, head, block=1024), torch.nn.functional.linear(x, head))
+
+
+def test_common_prompt_prefix_is_prefilled_once(tiny, monkeypatch):
+    """Prompts that share a long start (a system prompt) prefill it once: the same greedy tokens
+    as HF `generate` and as a full prefill, logprobs those of a full forward (1e-5), and fewer
+    tokens through the layers."""
+    import tinker_pipelines.rollout.sampler as sampler_module
+
+    model, tok = tiny
+    system = torch.randint(5, len(tok), (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompts = [system + p for p in _prompts(len(tok))]
+    assert sampler_module.shared_prefix_len([tuple(p) for p in prompts]) == 24
+    seen = []
+    real_prefill = LeanLlamaDecoder.prefill
+    monkeypatch.setattr(LeanLlamaDecoder, "prefill",
+                        lambda self, ids, *a: seen.append(tuple(ids.shape)) or real_prefill(self, ids, *a))
+    shared = Sampler(model, tok.pad_token_id, [], reuse_prompts=False).sample(prompts, 12, temperature=0.0)
+    assert seen == [(1, 24)]  # only the prefix runs through the model's own forward
+    assert [list(s.tokens) for s in shared] == _hf_greedy(model, prompts, tok.pad_token_id, 12)
+    for prompt, s in zip(prompts, shared):
+        want = _full_forward_logprobs(model, prompt, s.tokens, 1.0)
+        assert torch.allclose(torch.tensor(s.logprobs), want, atol=1e-5)
+    monkeypatch.setattr(sampler_module, "SHARED_PREFIX_MIN", 10**6)
+    full = Sampler(model, tok.pad_token_id, [], reuse_prompts=False).sample(prompts, 12, temperature=0.0)
+    assert seen[-1] == (len(prompts), max(map(len, prompts)))
+    assert [s.tokens for s in full] == [s.tokens for s in shared]

@@ -16,6 +16,9 @@ for one new token per row with none of that:
 - on CPU the output layer runs in blocks of `HEAD_BLOCK` vocabulary columns (`blocked_linear`):
   bitwise the same logits, and ~1.5x faster than one matmul over a 49k vocabulary at decode
   batch sizes, where it is a third of the step.
+- on CPU, at decode row counts, every linear computes `(W @ x^T)^T` rather than `x @ W^T`
+  (`rows_linear`): the same floats, 1.3-1.6x faster (MKL streams the weight as stored instead
+  of re-packing all of it on every call).
 
 The attention call mirrors transformers' SDPA path for one query token (grouped-query heads
 packed along the query axis), so greedy outputs match `model.generate` token for token.
@@ -39,23 +42,63 @@ HEAD_BLOCK = 1024
 """Output-layer columns per matmul on CPU (`blocked_linear`)."""
 
 
+STREAM_ROWS = (12, 128)
+"""Row counts at which `rows_linear` streams the weight on CPU (both ends included)."""
+STREAM_MIN_WEIGHT = 1 << 18
+"""Smallest weight (entries) worth streaming: smaller ones stay in cache either way."""
+
+
+def _streams(x_MH: torch.Tensor, weight_NH: torch.Tensor) -> bool:
+    return (x_MH.device.type == "cpu" and STREAM_ROWS[0] <= x_MH.shape[0] <= STREAM_ROWS[1]
+            and weight_NH.numel() >= STREAM_MIN_WEIGHT)
+
+
+def _streamed(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor | None) -> torch.Tensor:
+    """`(weight @ x^T)^T` as a contiguous `[M, N]` (contiguous: attention kernels given the
+    transposed view round differently)."""
+    if bias_N is None:
+        y_NM = torch.mm(weight_NH, x_MH.t())
+    else:
+        y_NM = torch.addmm(bias_N[:, None], weight_NH, x_MH.t())
+    return y_NM.t().contiguous()
+
+
+def rows_linear(x: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for the few rows of a decode step (`x` is `[..., H]`).
+
+    For `x @ W^T` MKL packs the whole weight on every call; for `W @ x^T` it packs the few rows
+    and streams the weight as stored. On CPU, for `STREAM_ROWS` rows against a weight of at
+    least `STREAM_MIN_WEIGHT` entries, this computes the latter: 1.3-1.6x faster on SmolLM2's
+    layers (measured at 12-128 rows, 2 threads) and the same floats, since each output is the
+    same dot product over H (tested bitwise). Outside that range, and off CPU, it is `F.linear`."""
+    x_MH = x.reshape(-1, x.shape[-1])
+    if not _streams(x_MH, weight_NH):
+        return F.linear(x, weight_NH, bias_N)
+    return _streamed(x_MH, weight_NH, bias_N).view(*x.shape[:-1], weight_NH.shape[0])
+
+
 def blocked_linear(x_BH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None = None,
                    block: int = HEAD_BLOCK) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a wide output layer, bitwise the same. On CPU it runs in
     blocks of `block` output columns: for a few rows against a 49k-token vocabulary, MKL's one
     call packs the whole 113 MB weight and runs ~1.5x slower than blocks that stay in cache
-    (measured on SmolLM2's head at 16 and 64 rows). Each output is the same dot product over
-    the hidden size either way. Elsewhere (a GPU) it is one `F.linear`."""
+    (measured on SmolLM2's head at 16 and 64 rows); each block streams its weight rows as
+    `rows_linear` does where that applies. Each output is the same dot product over the hidden
+    size either way. Elsewhere (a GPU) it is one `F.linear`."""
     V = weight_VH.shape[0]
     if x_BH.device.type != "cpu" or x_BH.dim() != 2 or V <= 2 * block:
-        return F.linear(x_BH, weight_VH, bias_V)
+        return rows_linear(x_BH, weight_VH, bias_V)
     out_BV = x_BH.new_empty((x_BH.shape[0], V))
+    stream = _streams(x_BH, weight_VH[:block])
     for start in range(0, V, block):
         w = weight_VH[start:start + block]
-        if bias_V is None:
+        b = None if bias_V is None else bias_V[start:start + block]
+        if stream:
+            out_BV[:, start:start + block] = _streamed(x_BH, w, b)
+        elif b is None:
             torch.mm(x_BH, w.t(), out=out_BV[:, start:start + block])
         else:
-            torch.addmm(bias_V[start:start + block], x_BH, w.t(), out=out_BV[:, start:start + block])
+            torch.addmm(b, x_BH, w.t(), out=out_BV[:, start:start + block])
     return out_BV
 
 
@@ -316,7 +359,7 @@ class LeanLlamaDecoder:
     def _lin(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None], layer: int, group: int) -> torch.Tensor:
         """The fused linear `wb` on `x` [B, ..., in], plus each row's own adapter delta (a
         base-only decoder): the base matmul runs once over every row."""
-        y = F.linear(x, *wb)
+        y = rows_linear(x, *wb)
         if self.adapters is not None:
             self.adapters.add_delta(y, x, layer, group)
         return y

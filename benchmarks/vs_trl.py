@@ -2,7 +2,9 @@
 
 The same work on both sides:
 - model: the tiny Llama (optionally wider), SFT-warm-started here on the arithmetic env so that
-  groups have mixed rewards (an untrained model scores 0 everywhere and neither side would learn);
+  groups have mixed rewards (an untrained model scores 0 everywhere and neither side would learn),
+  or `--model smollm2-135m-instruct` (sums up to 9 + 9, no warm start: replies that contain the
+  sum already earn the partial credit, so groups are mixed from the start);
   the warm-started weights and the tokenizer are saved to a temporary directory and TRL loads
   them from there, as a user would pass a model path;
 - task: the `arithmetic` env; iteration k uses the same task seeds on both sides (those
@@ -31,7 +33,8 @@ Tokens: completion tokens generated, and completion tokens the loss was computed
 trainer skips groups whose rewards are all equal (no gradient); TRL trains on them with zero
 advantage, so the table shows both sides' trained tokens and informative groups.
 
-    python -m benchmarks.vs_trl [--groups 8] [--group-size 8] [--max-new-tokens 16] [--repeats 5]
+    python -m benchmarks.vs_trl [--model tiny|smollm2-135m-instruct] [--groups 8] [--group-size 8]
+                                [--max-new-tokens 16] [--repeats 5]
 
 Last line: {"ratio": ours_s / trl_s, "ours_s": ..., "trl_s": ..., "ours_tokens": ..., "trl_tokens": ...}
 (tokens: completion tokens generated in the timed iterations).
@@ -52,14 +55,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def bench_config(a: argparse.Namespace) -> dict:
-    return {"seed": 0, "model": {"name": "tiny", "kwargs": {"hidden_size": a.hidden_size}},
-            "env": {"path": "arithmetic", "kwargs": {"max_operand": 3, "partial_credit": 0.5}},
+    tiny = a.model == "tiny"
+    model = {"name": a.model, "kwargs": {"hidden_size": a.hidden_size}} if tiny else {"name": a.model}
+    return {"seed": 0, "model": {**model, "device": "cpu", "dtype": "float32"},
+            "env": {"path": "arithmetic", "kwargs": {"max_operand": 3 if tiny else 9, "partial_credit": 0.5}},
             "algorithm": {"name": "grpo", "normalization": "token", "kl_coef": 0.0},
             "training": {"mode": a.mode, "iterations": a.repeats + 1, "learning_rate": a.lr,
                          "groups_per_batch": a.groups, "group_size": a.group_size,
                          "max_new_tokens": a.max_new_tokens, "temperature": 1.0, "lora_rank": 8, "lora_alpha": 16.0,
                          "grad_clip": 1.0, "micro_batch_size": a.groups * a.group_size},
-            "sft": {"steps": a.sft_steps, "batch_size": 16, "examples": 500, "learning_rate": 3e-3,
+            "sft": {"steps": a.sft_steps if a.sft_steps is not None else (150 if tiny else 0), "batch_size": 16, "examples": 500, "learning_rate": 3e-3,
                     "kwargs": {"verbose_fraction": 0.5}},
             "eval": {"every": 1000, "num_tasks": 1}}
 
@@ -151,8 +156,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--mode", choices=("lora", "full"), default="lora")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--model", default="tiny", help="tiny, smollm2-135m-instruct or a model directory")
     p.add_argument("--hidden-size", type=int, default=128, help="tiny model width (128: ~1M parameters)")
-    p.add_argument("--sft-steps", type=int, default=150, help="untimed warm start so groups have mixed rewards")
+    p.add_argument("--sft-steps", type=int, default=None,
+                   help="untimed warm start so groups have mixed rewards (default: 150 on tiny, 0 otherwise: "
+                        "a pretrained model's replies already earn partial credit)")
     p.add_argument("--repeats", type=int, default=5, help="timed iterations per side (after one warm-up)")
     a = p.parse_args(argv)
 
@@ -170,7 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
         exp.tokenizer.save_pretrained(model_dir)
         exp.start_rl()
         print(f"threads {torch.get_num_threads()}, {a.groups}x{a.group_size} completions of <= {a.max_new_tokens} "
-              f"tokens, {a.mode}, tiny hidden {a.hidden_size}", flush=True)
+              f"tokens, {a.mode}, model {a.model}" + (f" (hidden {a.hidden_size})" if a.model == "tiny" else ""),
+              flush=True)
         ours_rows, trl_rows = run_side_by_side(exp, model_dir, cfg, a.repeats + 1, Path(tmp) / "trl")
         ours_rows, trl_rows = ours_rows[1:], trl_rows[1:]  # the first iteration of each side is the warm-up
 
@@ -189,7 +198,8 @@ def main(argv: list[str] | None = None) -> dict:
               "ours_tokens": int(sum(r["generated"] for r in ours_rows)),
               "trl_tokens": int(sum(r["generated"] for r in trl_rows)),
               "ours_trained_tokens": int(sum(r["trained"] for r in ours_rows)),
-              "trl_trained_tokens": int(sum(r["trained"] for r in trl_rows)), "mode": a.mode, "repeats": a.repeats}
+              "trl_trained_tokens": int(sum(r["trained"] for r in trl_rows)), "mode": a.mode, "model": a.model,
+              "repeats": a.repeats}
     print(json.dumps(result))
     return result
 

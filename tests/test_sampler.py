@@ -224,16 +224,19 @@ def test_streamed_linear_is_bitwise_the_plain_one(rows):
     from tinker_pipelines.rollout.lean_llama import blocked_linear, rows_linear
 
     g = torch.Generator().manual_seed(rows)
+
+    def check(got, x, weight, b=None):
+        assert torch.equal(got, torch.nn.functional.linear(x, weight, b))
+
     for n_out, n_in in ((960, 576), (3072, 576), (576, 1536)):
         weight, bias = torch.randn(n_out, n_in, generator=g) * 0.05, torch.randn(n_out, generator=g)
         x = torch.randn(rows, 1, n_in, generator=g)
         for b in (None, bias):
-            want = torch.nn.functional.linear(x, weight, b)
-            assert torch.equal(rows_linear(x, weight, b), want)
-            assert torch.equal(rows_linear(x[:, 0], weight, b), want[:, 0])
+            check(rows_linear(x, weight, b), x, weight, b)
+            check(rows_linear(x[:, 0], weight, b), x[:, 0], weight, b)
     head = torch.randn(5000, 576, generator=g) * 0.05
     x = torch.randn(rows, 576, generator=g)
-    assert torch.equal(blocked_linear(x, head, block=1024), torch.nn.functional.linear(x, head))
+    check(blocked_linear(x, head, block=1024), x, head)
 
 
 def test_common_prompt_prefix_is_prefilled_once(tiny, monkeypatch):

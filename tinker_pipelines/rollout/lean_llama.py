@@ -17,8 +17,8 @@ for one new token per row with none of that:
   bitwise the same logits, and ~1.5x faster than one matmul over a 49k vocabulary at decode
   batch sizes, where it is a third of the step.
 - on CPU, at decode row counts, every linear computes `(W @ x^T)^T` rather than `x @ W^T`
-  (`rows_linear`): the same floats, 1.3-1.6x faster (MKL streams the weight as stored instead
-  of re-packing all of it on every call).
+  (`rows_linear`, 12-128 rows): the same floats, 1.3-1.6x faster (MKL streams the weight as
+  stored instead of re-packing all of it on every call).
 
 The attention call mirrors transformers' SDPA path for one query token (grouped-query heads
 packed along the query axis), so greedy outputs match `model.generate` token for token.
@@ -68,9 +68,12 @@ def rows_linear(x: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor |
 
     For `x @ W^T` MKL packs the whole weight on every call; for `W @ x^T` it packs the few rows
     and streams the weight as stored. On CPU, for `STREAM_ROWS` rows against a weight of at
-    least `STREAM_MIN_WEIGHT` entries, this computes the latter: 1.3-1.6x faster on SmolLM2's
-    layers (measured at 12-128 rows, 2 threads) and the same floats, since each output is the
-    same dot product over H (tested bitwise). Outside that range, and off CPU, it is `F.linear`."""
+    least `STREAM_MIN_WEIGHT` entries, this computes the latter: on SmolLM2's layers (2 threads)
+    1.3-1.6x faster at 12-128 rows, and the same floats (tested bitwise). At 2-11 rows it would
+    be ~2x faster, but there MKL picks a kernel that sums in another order: as accurate, yet
+    SmolLM2's logprobs then move ~1.2e-5 from HF's, past the 1e-5 the decoder keeps. At 1 row
+    (a matrix-vector product) and from ~256 rows (training) it gains nothing. Outside
+    `STREAM_ROWS`, and off CPU, it is `F.linear`."""
     x_MH = x.reshape(-1, x.shape[-1])
     if not _streams(x_MH, weight_NH):
         return F.linear(x, weight_NH, bias_N)

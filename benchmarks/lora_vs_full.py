@@ -5,8 +5,10 @@
 LoRA's reference is the base with the adapter disabled; full-parameter training keeps a frozen
 copy. Each mode runs in its own process (so peak memory is not shared) on the same datums: a
 GRPO loss with a k3 KL penalty, one forward/backward and one Adam step, timed after a warm-up
-step. Peak memory is the process's peak resident set size from after the model has loaded
-(weights included) to the end of the steps. The last line is one JSON object.
+step, and split into the reference forward, the policy forward, the backward and the optimizer
+step (the two forwards timed again on their own). Peak memory is the process's peak resident
+set size from after the model has loaded (weights included) to the end of the steps. The last
+line is one JSON object.
 """
 
 from __future__ import annotations
@@ -56,16 +58,41 @@ def _one_mode(mode: str, model_name: str, batch: int, tokens: int, steps: int, m
     learner = Learner(model, LearnerConfig(mode=mode, learning_rate=1e-5, micro_batch_size=micro,
                                            needs_reference=True), tok.pad_token_id)
     loss_fn, loss_cfg = get_algorithm("grpo").loss, LossConfig(kl_coef=0.05)
-    times = []
+    times, parts = [], []
     for _ in range(steps + 1):  # the first step allocates optimizer state: a warm-up
         start = time.perf_counter()
         learner.forward_backward(datums, loss_fn, loss_cfg)
+        fb = time.perf_counter()
         learner.optim_step()
         times.append(time.perf_counter() - start)
+        parts.append((fb - start, times[-1] - (fb - start)))
     peak = status_mb("VmHWM")
+    best = min(range(1, steps + 1), key=lambda i: times[i])
     trainable = sum(p.numel() for p in learner.params)
-    queue.put({"mode": mode, "peak_mb": peak, "after_load_mb": after_load, "step_s": min(times[1:]),
-               "trainable": trainable})
+    queue.put({"mode": mode, "peak_mb": peak, "after_load_mb": after_load, "step_s": times[best],
+               "trainable": trainable, "breakdown": breakdown(learner, datums, micro, *parts[best])})
+
+
+def breakdown(learner, datums, micro: int, forward_backward_s: float, optimizer_s: float) -> dict:
+    """Where one step's time went: the KL reference's forward (no gradient), the policy's forward
+    with the graph kept, the backward (the rest of `forward_backward`: the loss, autograd), and
+    the optimizer step (clip + Adam). The two forwards are timed again on their own, after the step."""
+    from tinker_pipelines.learner import pad_datums
+
+    padded = [pad_datums(datums[i:i + micro], learner.pad_token_id, learner.device)
+              for i in range(0, len(datums), micro)]
+    start = time.perf_counter()
+    for p in padded:
+        learner.reference_logprobs(p)
+    reference = time.perf_counter() - start
+    start = time.perf_counter()
+    for p in padded:
+        lp, _ = learner._forward(learner.model, p)
+        del lp
+    forward = time.perf_counter() - start
+    return {"reference_s": round(reference, 3), "forward_s": round(forward, 3),
+            "backward_s": round(max(0.0, forward_backward_s - reference - forward), 3),
+            "optimizer_s": round(optimizer_s, 3)}
 
 
 def _export(model_name: str, out: str) -> None:
@@ -117,11 +144,17 @@ def main() -> None:
     print(f"{'mode':<6}{'trainable':>14}{'loaded MB':>11}{'peak MB':>10}{'step s':>9}")
     for r in (lora, full):
         print(f"{r['mode']:<6}{r['trainable']:>14,}{r['after_load_mb']:>11.0f}{r['peak_mb']:>10.0f}{r['step_s']:>9.2f}")
+    print(f"\nwhere a step's time goes (s): reference forward (no gradient), policy forward, backward, optimizer")
+    print(f"{'mode':<6}{'reference':>11}{'forward':>9}{'backward':>10}{'optimizer':>11}")
+    for r in (lora, full):
+        b = r["breakdown"]
+        print(f"{r['mode']:<6}{b['reference_s']:>11.2f}{b['forward_s']:>9.2f}{b['backward_s']:>10.2f}{b['optimizer_s']:>11.2f}")
     memory_ratio, time_ratio = lora["peak_mb"] / full["peak_mb"], lora["step_s"] / full["step_s"]
     print(f"LoRA / full: memory {memory_ratio:.2f}x (goal <= 0.6), time {time_ratio:.2f}x (goal <= 0.7)")
     print(json.dumps({"memory_ratio": round(memory_ratio, 3), "time_ratio": round(time_ratio, 3),
                       "lora_peak_mb": round(lora["peak_mb"]), "full_peak_mb": round(full["peak_mb"]),
                       "lora_step_s": round(lora["step_s"], 3), "full_step_s": round(full["step_s"], 3),
+                      "lora_breakdown": lora["breakdown"], "full_breakdown": full["breakdown"],
                       "model": args.model, "batch": args.batch, "tokens": args.tokens,
                       "micro_batch": args.micro_batch}))
 

@@ -36,6 +36,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -230,24 +231,39 @@ def run_tools(cfg: ToolsConfig, seed: int) -> dict:
     return {"before": before, "after": after, "seconds": time.perf_counter() - t0}
 
 
-def take_win_prob(trainer: MultiAgentTrainer, seat: str) -> float:
-    """Mean probability, over totals 7, 8, 9, that the seat's agent plays the winning move, read
-    from its next-token distribution at the prompt it sees there. Any policy that ignores the
-    total scores exactly 1/3 (its three move probabilities, one per total): above 1/3 the agent
-    reads the position."""
+def move_prob(trainer: MultiAgentTrainer, seat: str, totals: range, best: Callable[[int], int]) -> float:
+    """Mean probability, over `totals`, that the seat's agent plays move `best(total)`, read from
+    its next-token distribution at the prompt it sees there. Any policy that ignores the total
+    scores exactly 1/3 on three totals (its three move probabilities, one per total): above 1/3
+    the agent reads the position."""
     game = RaceGame()
     system = {"role": "system", "content": game.rules()}
     learner = trainer.learners[seat]
     learner.activate()
     probs = []
-    for total in range(game.target - game.max_add, game.target):
+    for total in totals:
         text = f"Total is {total}. Your move." if seat == "a" else f"Opponent adds 1. Total is {total}. Your move."
         ids = encode_chat(trainer.tokenizer, [system, {"role": "user", "content": text}])
         with torch.no_grad():
             logits = trainer.model(torch.tensor([ids])).logits[0, -1]
-        win = trainer.tokenizer.encode(str(game.target - total), add_special_tokens=False)[0]
-        probs.append(torch.softmax(logits.float(), -1)[win].item())
+        move = trainer.tokenizer.encode(str(best(total)), add_special_tokens=False)[0]
+        probs.append(torch.softmax(logits.float(), -1)[move].item())
     return statistics.fmean(probs)
+
+
+def take_win_prob(trainer: MultiAgentTrainer, seat: str) -> float:
+    """P(move = 10 - total | total 7..9). Under the race's rules (reaching 10 *or beyond* wins)
+    this is blind to a policy that always adds 3, which wins from every one of those totals."""
+    game = RaceGame()
+    return move_prob(trainer, seat, range(game.target - game.max_add, game.target), lambda t: game.target - t)
+
+
+def steer_prob(trainer: MultiAgentTrainer, seat: str) -> float:
+    """P(move to 6 | total 3..5): the only winning move there (it leaves the opponent 4 short of
+    10, a lost position against perfect play), a different move at each total (3, 2, 1)."""
+    game = RaceGame()
+    safe = game.target - (game.max_add + 1)  # 6
+    return move_prob(trainer, seat, range(safe - game.max_add, safe), lambda t: safe - t)
 
 
 def run_race(seed: int) -> dict:
@@ -267,9 +283,11 @@ def run_race(seed: int) -> dict:
     eval_seeds = [10_000_000 + i for i in range(RACE["eval_tasks"])]
 
     take_win: list[dict[str, float]] = []
+    steer: list[dict[str, float]] = []
 
     def win_rates() -> dict[str, float]:
         take_win.append({seat: take_win_prob(trainer, seat) for seat in trainer.seats})
+        steer.append({seat: steer_prob(trainer, seat) for seat in trainer.seats})
         return {seat: trainer.evaluate(seat, lambda: RaceEnv(seat=seat, opponent=RACE["opponent"]), eval_seeds,
                                        temperature=RACE["eval_temperature"], seed=seed)
                 for seat in trainer.seats}
@@ -286,7 +304,7 @@ def run_race(seed: int) -> dict:
             print(f"  iteration {it + 1:>3}  self-play win A {m['a/win_rate_selfplay']:.2f}{mixed}  "
                   f"vs {RACE['opponent']}: A {curve[-1][1]['a']:.2f}  B {curve[-1][1]['b']:.2f}  "
                   f"[{time.perf_counter() - t0:.0f} s]", flush=True)
-    return {"curve": curve, "take_win": take_win, "seconds": time.perf_counter() - t0}
+    return {"curve": curve, "take_win": take_win, "steer": steer, "seconds": time.perf_counter() - t0}
 
 
 def main() -> None:
@@ -337,13 +355,18 @@ def main() -> None:
         print("P(winning move | total 7..9); 1/3 = blind to the total")
         for seat in race["take_win"][0]:
             print(f"{'  agent ' + seat.upper():<36}" + "".join(f"{w[seat]:>8.2f}" for w in race["take_win"]))
+        print("P(move to 6 | total 3..5), the winning move there; 1/3 = blind to the total")
+        for seat in race["steer"][0]:
+            print(f"{'  agent ' + seat.upper():<36}" + "".join(f"{w[seat]:>8.2f}" for w in race["steer"]))
         print(f"  ({race['seconds'] / 60:.1f} min)")
         result.update(agent_a_before=curve[0][1]["a"], agent_a_after=curve[-1][1]["a"],
                       agent_b_before=curve[0][1]["b"], agent_b_after=curve[-1][1]["b"],
                       agent_a_min_during=min(w["a"] for _, w in curve[1:]),
                       agent_b_min_during=min(w["b"] for _, w in curve[1:]),
                       agent_a_take_win_before=race["take_win"][0]["a"], agent_a_take_win_after=race["take_win"][-1]["a"],
-                      agent_b_take_win_before=race["take_win"][0]["b"], agent_b_take_win_after=race["take_win"][-1]["b"])
+                      agent_b_take_win_before=race["take_win"][0]["b"], agent_b_take_win_after=race["take_win"][-1]["b"],
+                      agent_a_steer_before=race["steer"][0]["a"], agent_a_steer_after=race["steer"][-1]["a"],
+                      agent_b_steer_before=race["steer"][0]["b"], agent_b_steer_after=race["steer"][-1]["b"])
     print(json.dumps(result))
 
 

@@ -226,7 +226,7 @@ def _race(seed: int, iterations: int, queue) -> None:
 
     RACE["rl"]["iterations"] = iterations
     r = run_race(seed)
-    queue.put((seed, {"curve": r["curve"], "take_win": r["take_win"], "seconds": r["seconds"]}))
+    queue.put((seed, {"curve": r["curve"], "take_win": r["take_win"], "steer": r["steer"], "seconds": r["seconds"]}))
 
 
 def run_two_agents(seeds: list[int], iterations: int) -> dict:
@@ -277,7 +277,8 @@ def report(tools: dict | None, curves: dict | None, race: dict | None, target: f
         result.update(curves_identical=curves["identical"], curves_max_abs_diff=curves["max_abs_diff"])
     if race:
         improved, lowest = True, {}
-        print(f"\n{'race vs greedy (win rate)':<40}{'before':>8}{'after':>8}{'gain':>8}{'lowest':>8}")
+        print(f"\n{'race vs greedy (win rate)':<40}{'before':>8}{'after':>8}{'gain':>8}{'lowest':>8}"
+              f"{'P(10-t|7..9)':>14}{'P(6-t|3..5)':>13}   (last two: 1/3 = blind to the total t)")
         for seed, r in sorted(race.items()):
             curve = r["curve"]
             for seat in ("a", "b"):
@@ -286,9 +287,10 @@ def report(tools: dict | None, curves: dict | None, race: dict | None, target: f
                 improved &= after - before >= 0.10
                 lowest[f"seed{seed}_{seat}"] = low
                 print(f"{'  seed ' + str(seed) + ', agent ' + seat.upper():<40}{before:>8.2f}{after:>8.2f}"
-                      f"{after - before:>+8.2f}{low:>8.2f}")
+                      f"{after - before:>+8.2f}{low:>8.2f}{r['take_win'][-1][seat]:>14.2f}{r['steer'][-1][seat]:>13.2f}")
                 result[f"race_seed{seed}_{seat}"] = [round(w[seat], 3) for _, w in curve]
                 result[f"race_seed{seed}_{seat}_take_win"] = round(r["take_win"][-1][seat], 3)
+                result[f"race_seed{seed}_{seat}_steer"] = round(r["steer"][-1][seat], 3)
         result.update(agents_improved=improved, race_lowest=lowest)
     return result
 

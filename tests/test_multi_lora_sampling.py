@@ -118,3 +118,23 @@ def test_mixed_batch_shares_each_adapters_prompt_prefix():
         for prompt, s in zip(req.prompts, samples):
             want = _teacher_logprobs(model, req.adapter, prompt, s.tokens)
             assert max(abs(a - b) for a, b in zip(s.logprobs, want)) < 1e-5
+
+
+def test_an_adapters_samples_do_not_depend_on_who_shares_the_batch():
+    """On CPU the mixed-adapter decoder is batch-invariant: an experiment's rows sampled with
+    other experiments' rows (more or fewer, other adapters, rows stopping at other times) are
+    the very tokens and logprobs it samples alone, so co-tenants on a worker change nothing."""
+    model, tok = _multi_adapter_model()
+    prompts = [tok.encode(f"<|im_start|>user\n{a} + {b} = ?<|im_end|>\n<|im_start|>assistant\n") for a, b in
+               [(1, 2), (3, 4), (5, 6), (7, 8), (2, 9)]]
+    sampler = Sampler(model, tok.pad_token_id, stop_token_ids(tok))
+
+    def request(name, rows, seed):
+        return SampleRequest([prompts[i % len(prompts)] for i in range(rows)], 12, 1.0,
+                             torch.Generator().manual_seed(seed), name)
+
+    alone = sampler.sample_requests([request("exp1", 6, 7)])[0]
+    for others in ([request("exp2", 20, 1)], [request("exp3", 3, 2), request("exp2", 40, 3)],
+                   [request(BASE, 1, 4)]):
+        shared = sampler.sample_requests([request("exp1", 6, 7), *others])[0]
+        assert [(s.tokens, s.logprobs) for s in shared] == [(s.tokens, s.logprobs) for s in alone]

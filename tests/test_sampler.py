@@ -206,7 +206,7 @@ def test_blocked_output_layer_is_bitwise_the_plain_one(rows):
     """The decoder's output layer runs in column blocks on CPU (faster for a 49k vocabulary);
     every logit must be the very float `F.linear` gives, so greedy decoding and logprobs are
     unchanged. A vocabulary that is not a multiple of the block leaves a short last block."""
-    from tinker_pipelines.rollout.lean_llama import blocked_linear
+    from tinker_pipelines.rollout.linears import blocked_linear
 
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=g)
@@ -221,7 +221,7 @@ def test_streamed_linear_is_bitwise_the_plain_one(rows):
     """At decode row counts the lean decoder's linears compute `(W @ x^T)^T` on CPU (the weight
     streams as stored instead of being re-packed per call); every output must be the very float
     `F.linear` gives, for 2-D and 3-D inputs, with and without bias, at SmolLM2's layer shapes."""
-    from tinker_pipelines.rollout.lean_llama import blocked_linear, rows_linear
+    from tinker_pipelines.rollout.linears import blocked_linear, rows_linear
 
     g = torch.Generator().manual_seed(rows)
 
@@ -263,3 +263,23 @@ def test_common_prompt_prefix_is_prefilled_once(tiny, monkeypatch):
     full = Sampler(model, tok.pad_token_id, [], reuse_prompts=False).sample(prompts, 12, temperature=0.0)
     assert seen[-1] == (len(prompts), max(map(len, prompts)))
     assert [s.tokens for s in full] == [s.tokens for s in shared]
+
+
+def test_invariant_linear_and_attention_do_not_depend_on_the_batch():
+    """Row i's result is the same floats whatever the number of rows around it (1 to 300),
+    for the decoder's layer shapes, LoRA factors and the one-query and prefill attention."""
+    from tinker_pipelines.rollout.linears import attention, invariant_linear
+
+    g = torch.Generator().manual_seed(0)
+    for n_out, n_in in ((960, 576), (64, 64), (8, 576), (3072, 24)):
+        w, x = torch.randn(n_out, n_in, generator=g) * 0.05, torch.randn(300, n_in, generator=g)
+        want = invariant_linear(x[:1], w)
+        assert all(torch.equal(invariant_linear(x[:m], w)[:1], want) for m in (2, 5, 11, 12, 13, 64, 300))
+    for queries in (1, 7):
+        q = torch.randn(40, 3, queries, 64, generator=g)
+        k, v = torch.randn(40, 3, 57, 64, generator=g), torch.randn(40, 3, 57, 64, generator=g)
+        mask = torch.rand(40, 1, queries, 57, generator=g) > 0.2
+        mask[..., -1] = True
+        want = attention(q[:1], k[:1], v[:1], mask[:1], 0.125, True)
+        assert torch.allclose(want, attention(q[:1], k[:1], v[:1], mask[:1], 0.125, False), atol=1e-6)
+        assert all(torch.equal(attention(q[:b], k[:b], v[:b], mask[:b], 0.125, True)[:1], want) for b in (2, 9, 40))

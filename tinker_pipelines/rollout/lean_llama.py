@@ -36,74 +36,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, rotate_half
 
+from tinker_pipelines.rollout.linears import attention, blocked_linear, invariant_linear, rows_linear
 from tinker_pipelines.rollout.mixed_lora import RowAdapters
-
-HEAD_BLOCK = 1024
-"""Output-layer columns per matmul on CPU (`blocked_linear`)."""
-
-
-STREAM_ROWS = (12, 128)
-"""Row counts at which `rows_linear` streams the weight on CPU (both ends included)."""
-STREAM_MIN_WEIGHT = 1 << 18
-"""Smallest weight (entries) worth streaming: smaller ones stay in cache either way."""
-
-
-def _streams(x_MH: torch.Tensor, weight_NH: torch.Tensor) -> bool:
-    return (x_MH.device.type == "cpu" and STREAM_ROWS[0] <= x_MH.shape[0] <= STREAM_ROWS[1]
-            and weight_NH.numel() >= STREAM_MIN_WEIGHT)
-
-
-def _streamed(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor | None) -> torch.Tensor:
-    """`(weight @ x^T)^T` as a contiguous `[M, N]` (contiguous: attention kernels given the
-    transposed view round differently)."""
-    if bias_N is None:
-        y_NM = torch.mm(weight_NH, x_MH.t())
-    else:
-        y_NM = torch.addmm(bias_N[:, None], weight_NH, x_MH.t())
-    return y_NM.t().contiguous()
-
-
-def rows_linear(x: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for the few rows of a decode step (`x` is `[..., H]`).
-
-    For `x @ W^T` MKL packs the whole weight on every call; for `W @ x^T` it packs the few rows
-    and streams the weight as stored. On CPU, for `STREAM_ROWS` rows against a weight of at
-    least `STREAM_MIN_WEIGHT` entries, this computes the latter: on SmolLM2's layers (2 threads)
-    1.3-1.6x faster at 12-128 rows, and the same floats (tested bitwise). At 2-11 rows it would
-    be ~2x faster, but there MKL picks a kernel that sums in another order: as accurate, yet
-    SmolLM2's logprobs then move ~1.2e-5 from HF's, past the 1e-5 the decoder keeps. At 1 row
-    (a matrix-vector product) and from ~256 rows (training) it gains nothing. Outside
-    `STREAM_ROWS`, and off CPU, it is `F.linear`."""
-    x_MH = x.reshape(-1, x.shape[-1])
-    if not _streams(x_MH, weight_NH):
-        return F.linear(x, weight_NH, bias_N)
-    return _streamed(x_MH, weight_NH, bias_N).view(*x.shape[:-1], weight_NH.shape[0])
-
-
-def blocked_linear(x_BH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None = None,
-                   block: int = HEAD_BLOCK) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for a wide output layer, bitwise the same. On CPU it runs in
-    blocks of `block` output columns: for a few rows against a 49k-token vocabulary, MKL's one
-    call packs the whole 113 MB weight and runs ~1.5x slower than blocks that stay in cache
-    (measured on SmolLM2's head at 16 and 64 rows); each block streams its weight rows as
-    `rows_linear` does where that applies. Each output is the same dot product over the hidden
-    size either way. Elsewhere (a GPU) it is one `F.linear`."""
-    V = weight_VH.shape[0]
-    if x_BH.device.type != "cpu" or x_BH.dim() != 2 or V <= 2 * block:
-        return rows_linear(x_BH, weight_VH, bias_V)
-    out_BV = x_BH.new_empty((x_BH.shape[0], V))
-    stream = _streams(x_BH, weight_VH[:block])
-    for start in range(0, V, block):
-        w = weight_VH[start:start + block]
-        b = None if bias_V is None else bias_V[start:start + block]
-        if stream:
-            out_BV[:, start:start + block] = _streamed(x_BH, w, b)
-        elif b is None:
-            torch.mm(x_BH, w.t(), out=out_BV[:, start:start + block])
-        else:
-            torch.addmm(b, x_BH, w.t(), out=out_BV[:, start:start + block])
-    return out_BV
-
 
 def unwrap_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """The causal LM inside a PEFT wrapper (its LoRA layers stay injected), else `model`."""
@@ -213,8 +147,12 @@ class LeanLlamaDecoder:
 
     def __init__(self, model: PreTrainedModel, base_only: bool = False):
         """`base_only`: the fused weights are the frozen base alone and LoRA adapters are added
-        per row (`set_adapters`), so rows of different adapters share each base matmul."""
+        per row (`set_adapters`), so rows of different adapters share each base matmul. On CPU a
+        base-only decoder is batch-invariant (`linears`): a row's tokens and logprobs do not
+        depend on the other rows of its batch, so an experiment samples on a shared worker what
+        it samples alone."""
         self.base_only = base_only
+        self.invariant = base_only and next(model.parameters()).device.type == "cpu"
         self.adapters: RowAdapters | None = None
         self.causal = unwrap_causal_lm(model)
         inner = self.causal.model
@@ -340,8 +278,7 @@ class LeanLlamaDecoder:
             if n_rep > 1:
                 keys = keys[:, :, None].expand(B, n_kv, n_rep, L, D).reshape(B, n_heads, L, D)
                 values = values[:, :, None].expand(B, n_kv, n_rep, L, D).reshape(B, n_heads, L, D)
-            o = F.scaled_dot_product_attention(qk[:, :, :n_heads].transpose(1, 2), keys, values,
-                                               attn_mask=mask, scale=self.scaling)
+            o = attention(qk[:, :, :n_heads].transpose(1, 2), keys, values, mask, self.scaling, self.invariant)
             h = h + self._lin(o.transpose(1, 2).reshape(B, T, -1), o_wb, li, 1)
             x = h.pow(2).mean(-1, keepdim=True)
             x = w2 * (h * torch.rsqrt(x + eps2))
@@ -350,19 +287,19 @@ class LeanLlamaDecoder:
         x = h[:, -1]
         x = self.norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon))
         self._setup(mask_BL, positions_BL, max_new_tokens, x.dtype)
-        return blocked_linear(x, *self.head)
+        return blocked_linear(x, *self.head, invariant=self.invariant)
 
     def set_adapters(self, names: list[str | None], row_adapter: list[int]) -> bool:
         """Rows decode with adapter `names[row_adapter[i]]` (None: the bare base); base-only
         decoders only. False, and nothing set, when an adapter is not a vanilla LoRA."""
         assert self.base_only and self.fused is not None
-        self.adapters = RowAdapters.build(self.groups, names, row_adapter)
+        self.adapters = RowAdapters.build(self.groups, names, row_adapter, self.invariant)
         return self.adapters is not None
 
     def _lin(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None], layer: int, group: int) -> torch.Tensor:
         """The fused linear `wb` on `x` [B, ..., in], plus each row's own adapter delta (a
         base-only decoder): the base matmul runs once over every row."""
-        y = rows_linear(x, *wb)
+        y = (invariant_linear if self.invariant else rows_linear)(x, *wb)
         if self.adapters is not None:
             self.adapters.add_delta(y, x, layer, group)
         return y
@@ -408,8 +345,7 @@ class LeanLlamaDecoder:
             v_buf[:, :, col] = qkv[:, n_qk * D:].view(B, n_kv, D)
             # one query token: transformers packs the heads of a group as queries (GQA)
             q = qk[:, :n_heads].reshape(B, n_kv, n_rep, D) if n_rep > 1 else qk[:, :n_heads, None]
-            o = F.scaled_dot_product_attention(q, k_buf[:, :, : col + 1], v_buf[:, :, : col + 1],
-                                               attn_mask=mask, scale=self.scaling)
+            o = attention(q, k_buf[:, :, : col + 1], v_buf[:, :, : col + 1], mask, self.scaling, self.invariant)
             o = o.reshape(B, 1, -1)
             h = h + self._lin(o, o_wb, li, 1)
             x = h.pow(2).mean(-1, keepdim=True)
@@ -418,7 +354,7 @@ class LeanLlamaDecoder:
             h = h + self._lin(act(gate) * up, d_wb, li, 3)
         x = h[:, -1]
         x = self.norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon))
-        return blocked_linear(x, *self.head)
+        return blocked_linear(x, *self.head, invariant=self.invariant)
 
     def _step_modules(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                       col: int) -> torch.Tensor:

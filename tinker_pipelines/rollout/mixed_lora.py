@@ -5,13 +5,17 @@ every row's low-rank delta after the base matmul that ran once over all rows. Th
 adapters sit side by side (A [R, in], B [out, R], built once per set of adapters) with a row
 mask [B, R] keeping each row's own block, so the delta is one pair of matmuls however many
 adapters share the batch (one pair per adapter was dispatch-bound on small models); the other
-adapters' blocks add exact zeros. A batch of one adapter needs no mask.
+adapters' blocks add exact zeros. A batch of one adapter needs no mask. A batch-invariant
+decoder (CPU) runs each adapter's pair on its own rows instead (`linears.invariant_linear`):
+the side-by-side sum rounds a row's delta differently with each set of adapters present.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from tinker_pipelines.rollout.linears import invariant_linear
 
 Factors = tuple[torch.Tensor, torch.Tensor]
 """A fused linear group's adapter update: A [R, in], B [out, R] (scaling folded into B)."""
@@ -52,15 +56,18 @@ def lora_factors(modules: list[torch.nn.Module], name: str) -> tuple[torch.Tenso
 class RowAdapters:
     """Which adapter each row of a batch decodes with, and their factors per layer and group."""
 
-    def __init__(self, lora: list[list[list[Factors | None]]], row_adapter: list[int]):
+    def __init__(self, lora: list[list[list[Factors | None]]], row_adapter: list[int], invariant: bool = False):
         self.lora = lora
         """`lora[k][layer][group]`: adapter k's factors of one fused linear group, or None."""
+        self.invariant = invariant
+        """Each adapter's delta on its own rows with `invariant_linear` (rows are grouped by adapter),
+        so a row's delta does not depend on the other adapters in the batch; else side by side."""
         self._factors_for: tuple[int, ...] | None = None
         self.set_rows(row_adapter)
 
     @classmethod
     def build(cls, groups: list[list[list[torch.nn.Module]]], names: list[str | None],
-              row_adapter: list[int]) -> "RowAdapters | None":
+              row_adapter: list[int], invariant: bool = False) -> "RowAdapters | None":
         """Rows decode with adapter `names[row_adapter[i]]` (None: the bare base) over the
         decoder's fused linear `groups` (per layer, 4 groups of modules); None when an adapter
         is not a vanilla LoRA (`lora_factors`)."""
@@ -71,10 +78,13 @@ class RowAdapters:
             if any(f is False for layer in per_layer for f in layer):
                 return None
             lora.append(per_layer)
-        return cls(lora, row_adapter)
+        return cls(lora, row_adapter, invariant)
 
     def set_rows(self, row_adapter: list[int]) -> None:
         self.row_adapter = list(row_adapter)
+        self._segments = [(s, e, self.row_adapter[s]) for s, e in _runs(self.row_adapter)]
+        if self.invariant:
+            return
         present = tuple(sorted(set(self.row_adapter)))
         if self._factors_for != present:  # rows finishing (`keep`) keep the set: only the masks change
             self._factors_for = present
@@ -98,6 +108,12 @@ class RowAdapters:
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: int) -> None:
         """`y += ` each row's adapter delta of linear group `group` on `x` [B, ..., in]."""
+        if self.invariant:
+            for s, e, k in self._segments:
+                f = self.lora[k][layer][group]
+                if f is not None:
+                    y[s:e] += invariant_linear(invariant_linear(x[s:e], f[0]), f[1])
+            return
         f = self._factors[layer][group]
         if f is None:
             return
@@ -106,3 +122,17 @@ class RowAdapters:
         if mask_BR is not None:
             low = low * mask_BR.view(x.shape[0], *([1] * (x.dim() - 2)), -1)
         y += F.linear(low, f[1])
+
+
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of equal consecutive values.
+
+    >>> _runs([0, 0, 2, 2, 2, 0])
+    [(0, 2), (2, 5), (5, 6)]
+    """
+    runs, start = [], 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[start]:
+            runs.append((start, i))
+            start = i
+    return runs

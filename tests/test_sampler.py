@@ -275,6 +275,15 @@ def test_invariant_linear_and_attention_do_not_depend_on_the_batch():
         w, x = torch.randn(n_out, n_in, generator=g) * 0.05, torch.randn(300, n_in, generator=g)
         want = invariant_linear(x[:1], w)
         assert all(torch.equal(invariant_linear(x[:m], w)[:1], want) for m in (2, 5, 11, 12, 13, 64, 300))
+    # a LoRA B beside other adapters' blocks (their columns masked to zero) gives a row the same
+    # delta as its adapter's B alone: the mixed-adapter decoder relies on it
+    for n_out, rank, adapters in ((576, 8, 4), (1536, 16, 3), (64, 4, 6)):
+        B_OR = torch.randn(n_out, rank * adapters, generator=g)
+        low_MR = torch.randn(20, rank * adapters, generator=g)
+        own = invariant_linear(low_MR[:, rank:2 * rank], B_OR[:, rank:2 * rank])
+        masked = torch.zeros_like(low_MR)
+        masked[:, rank:2 * rank] = low_MR[:, rank:2 * rank]
+        assert torch.equal(invariant_linear(masked, B_OR), own)
     for queries in (1, 7):
         q = torch.randn(40, 3, queries, 64, generator=g)
         k, v = torch.randn(40, 3, 57, 64, generator=g), torch.randn(40, 3, 57, 64, generator=g)

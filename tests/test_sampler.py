@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
 from tinker_pipelines.models import stop_token_ids
@@ -275,15 +276,21 @@ def test_invariant_linear_and_attention_do_not_depend_on_the_batch():
         w, x = torch.randn(n_out, n_in, generator=g) * 0.05, torch.randn(300, n_in, generator=g)
         want = invariant_linear(x[:1], w)
         assert all(torch.equal(invariant_linear(x[:m], w)[:1], want) for m in (2, 5, 11, 12, 13, 64, 300))
-    # a LoRA B beside other adapters' blocks (their columns masked to zero) gives a row the same
-    # delta as its adapter's B alone: the mixed-adapter decoder relies on it
-    for n_out, rank, adapters in ((576, 8, 4), (1536, 16, 3), (64, 4, 6)):
-        B_OR = torch.randn(n_out, rank * adapters, generator=g)
-        low_MR = torch.randn(20, rank * adapters, generator=g)
-        own = invariant_linear(low_MR[:, rank:2 * rank], B_OR[:, rank:2 * rank])
-        masked = torch.zeros_like(low_MR)
-        masked[:, rank:2 * rank] = low_MR[:, rank:2 * rank]
-        assert torch.equal(invariant_linear(masked, B_OR), own)
+    # a row's base output plus its LoRA delta, with its adapter alone or beside others' (their
+    # columns masked off) and with any number of rows: the mixed-adapter decoder relies on it
+    for n_out, n_in, rank, adapters in ((576, 576, 8, 4), (3072, 576, 16, 3), (64, 64, 4, 6)):
+        w, x = torch.randn(n_out, n_in, generator=g) * 0.05, torch.randn(40, n_in, generator=g)
+        A_RH = torch.randn(rank * adapters, n_in, generator=g) * 0.05
+        B_NR = torch.randn(n_out, rank * adapters, generator=g) * 0.05
+        own = slice(rank, 2 * rank)
+        want = invariant_linear(x[:1], w, lora=(A_RH[own], B_NR[:, own], None))
+        for m in (1, 5, 12, 40):
+            mask_RB = torch.zeros(rank * adapters, m)
+            mask_RB[own, 0] = 1
+            mask_RB[:rank, 1:] = 1  # the other rows belong to another adapter
+            got = invariant_linear(x[:m], w, lora=(A_RH, B_NR, mask_RB))
+            assert torch.equal(got[:1], want)
+            assert torch.allclose(got[1:], F.linear(x[1:m], w + B_NR[:, :rank] @ A_RH[:rank]), atol=1e-5)
     for queries in (1, 7):
         q = torch.randn(40, 3, queries, 64, generator=g)
         k, v = torch.randn(40, 3, 57, 64, generator=g), torch.randn(40, 3, 57, 64, generator=g)

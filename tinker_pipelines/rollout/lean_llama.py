@@ -299,7 +299,9 @@ class LeanLlamaDecoder:
     def _lin(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None], layer: int, group: int) -> torch.Tensor:
         """The fused linear `wb` on `x` [B, ..., in], plus each row's own adapter delta (a
         base-only decoder): the base matmul runs once over every row."""
-        y = (invariant_linear if self.invariant else rows_linear)(x, *wb)
+        if self.invariant:
+            return invariant_linear(x, *wb, lora=self.adapters.factors(layer, group) if self.adapters else None)
+        y = rows_linear(x, *wb)
         if self.adapters is not None:
             self.adapters.add_delta(y, x, layer, group)
         return y

@@ -96,17 +96,39 @@ INVARIANT_ROWS = 12
 """Fewest rows `invariant_linear` multiplies at once (fewer are padded with zero rows)."""
 
 
-def invariant_linear(x: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
+def invariant_linear(x: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor | None = None,
+                     lora: "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None" = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` whose every row is the same floats whatever the batch: on CPU
     `(W @ x^T)^T` over at least `INVARIANT_ROWS` rows (the product MKL computes in one order for
-    any row count from there; tested). From 12 to 128 rows it is also `F.linear`'s floats."""
+    any row count from there; tested). From 12 to 128 rows it is also `F.linear`'s floats.
+
+    `lora` = (A [R, H], B [N, R], mask [R, rows of x's first dimension] or None) adds each row's
+    low-rank delta `B @ (mask * (A @ x^T))` to the product before it is transposed back: the
+    side-by-side factors of several adapters, the mask keeping each row's own columns. Masked
+    columns add exact zeros, and the sums run in one order at every row count and number of
+    adapters (tested), so a row's delta does not depend on the batch either."""
     if x.device.type != "cpu":
-        return F.linear(x, weight_NH, bias_N)
+        y = F.linear(x, weight_NH, bias_N)
+        if lora is not None:
+            A_RH, B_NR, mask_RB = lora
+            low = F.linear(x, A_RH)
+            if mask_RB is not None:
+                low = low * mask_RB.t().reshape(x.shape[0], *([1] * (x.dim() - 2)), -1)
+            y = y + F.linear(low, B_NR)
+        return y
     x_MH = x.reshape(-1, x.shape[-1])
     M = x_MH.shape[0]
     if M < INVARIANT_ROWS:
         x_MH = torch.cat([x_MH, x_MH.new_zeros((INVARIANT_ROWS - M, x_MH.shape[1]))])
-    return _streamed(x_MH, weight_NH, bias_N)[:M].view(*x.shape[:-1], weight_NH.shape[0])
+    xt_HM = x_MH.t()
+    y_NM = torch.mm(weight_NH, xt_HM) if bias_N is None else torch.addmm(bias_N[:, None], weight_NH, xt_HM)
+    if lora is not None:
+        A_RH, B_NR, mask_RB = lora
+        low_RM = torch.mm(A_RH, xt_HM)
+        if mask_RB is not None:  # x's positions per batch row share the row's mask
+            low_RM[:, :M].view(low_RM.shape[0], mask_RB.shape[1], -1).mul_(mask_RB[:, :, None])
+        y_NM.addmm_(B_NR, low_RM)
+    return y_NM.t()[:M].contiguous().view(*x.shape[:-1], weight_NH.shape[0])
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

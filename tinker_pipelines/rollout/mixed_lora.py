@@ -6,17 +6,15 @@ adapters sit side by side (A [R, in], B [out, R], built once per set of adapters
 mask [B, R] keeping each row's own block, so the delta is one pair of matmuls however many
 adapters share the batch (one pair per adapter was dispatch-bound on small models); the other
 adapters' blocks add exact zeros. A batch of one adapter needs no mask. A batch-invariant
-decoder (CPU) runs both matmuls as `linears.invariant_linear`: a row's delta is then the same
-floats whoever shares the batch (the masked columns add exact zeros, and that product sums a
-row in one order at every row count and width measured; tested against each adapter alone).
+decoder (CPU) hands the factors and a transposed mask to `linears.invariant_linear`, which adds
+the delta inside its base product: a row's delta is then the same floats whoever shares the
+batch (tested against each adapter alone).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from tinker_pipelines.rollout.linears import invariant_linear
 
 Factors = tuple[torch.Tensor, torch.Tensor]
 """A fused linear group's adapter update: A [R, in], B [out, R] (scaling folded into B)."""
@@ -61,7 +59,7 @@ class RowAdapters:
         self.lora = lora
         """`lora[k][layer][group]`: adapter k's factors of one fused linear group, or None."""
         self.invariant = invariant
-        """Both matmuls as `invariant_linear`, so a row's delta does not depend on the batch."""
+        """Masks kept as [R, B] for `linears.invariant_linear` (`factors`) instead of [B, R] (`add_delta`)."""
         self._factors_for: tuple[int, ...] | None = None
         self.set_rows(row_adapter)
 
@@ -87,9 +85,13 @@ class RowAdapters:
             self._factors_for = present
             self._factors = [[self._side_by_side(present, li, g) for g in range(4)] for li in range(len(self.lora[0]))]
         rows_B = torch.tensor(self.row_adapter)
-        self._masks = [[None if f is None or len(present) == 1 else
-                        (rows_B[:, None] == f[2][None, :]).to(f[0].device, f[0].dtype) for f in per]
+        self._masks = [[None if f is None or len(present) == 1 else self._mask(rows_B, f) for f in per]
                        for per in self._factors]
+
+    def _mask(self, rows_B: torch.Tensor, factors) -> torch.Tensor:
+        """1 where a row's adapter owns a column of the side-by-side factors: [B, R] ([R, B] if invariant)."""
+        owns = factors[2][:, None] == rows_B[None, :] if self.invariant else rows_B[:, None] == factors[2][None, :]
+        return owns.to(factors[0].device, factors[0].dtype)
 
     def keep(self, rows: list[int]) -> None:
         """Keep (or repeat) these rows, as the decoder's `select` does with its cache."""
@@ -104,14 +106,20 @@ class RowAdapters:
         return torch.cat([f[0] for _, f in fs]), torch.cat([f[1] for _, f in fs], dim=1), owner_R
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: int) -> None:
-        """`y += ` each row's adapter delta of linear group `group` on `x` [B, ..., in]."""
+        """`y += ` each row's adapter delta of linear group `group` on `x` [B, ..., in] (not invariant)."""
         f = self._factors[layer][group]
         if f is None:
             return
-        linear = invariant_linear if self.invariant else F.linear
-        low = linear(x, f[0])
+        low = F.linear(x, f[0])
         mask_BR = self._masks[layer][group]
         if mask_BR is not None:
             low = low * mask_BR.view(x.shape[0], *([1] * (x.dim() - 2)), -1)
-        y += linear(low, f[1])
+        y += F.linear(low, f[1])
 
+    def factors(self, layer: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """(A [R, in], B [out, R], mask [R, B] or None) of linear group `group`, the form
+        `linears.invariant_linear` adds; None when no row's adapter changes this group."""
+        f = self._factors[layer][group]
+        if f is None:
+            return None
+        return f[0], f[1], self._masks[layer][group]

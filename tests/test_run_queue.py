@@ -216,8 +216,10 @@ def test_burst_of_runs_is_queued_and_never_exceeds_the_limits(tmp_path):
                   f"(sampled), {overlap} overlapping (run records), {pool_claims} pool slots held at once; "
                   f"qa runs {qa}; code server up + submit {submitted - started:.1f} s, daemon to all done "
                   f"{finished - submitted:.1f} s")
-            assert 1 <= in_progress <= limits.model_runs
-            assert overlap == limits.model_runs  # qa and qb together, never a third
+            assert 1 <= in_progress <= limits.model_runs and 1 <= overlap <= limits.model_runs  # never a third
+            # qa and qb were let through together: seen in progress at once (STARTING counts), or
+            # their recorded spans overlap (a run of ~3 s can end before the other's process starts)
+            assert max(in_progress, overlap) == limits.model_runs
             assert qa[0][1] <= qa[1][0] or qa[1][1] <= qa[0][0]  # one run per experiment at a time
             assert 1 <= pool_claims <= limits.pool_limit
             info = instance.event_log_storage.get_concurrency_info(DEVICE_POOL)

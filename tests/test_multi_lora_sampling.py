@@ -105,13 +105,13 @@ def test_unmergeable_adapter_falls_back_to_one_adapter_at_a_time():
 def test_mixed_batch_shares_each_adapters_prompt_prefix():
     """A common prompt prefix is prefilled once per adapter (LoRA changes its keys and values):
     every row still gets its own adapter's logprobs."""
-    import tinker_pipelines.rollout.sampler as sampler_module
+    import tinker_pipelines.rollout.shared_prefix as prefix_module
 
     model, tok = _multi_adapter_model()
     system = tok.encode("<|im_start|>system\nYou add numbers and answer with the sum only.<|im_end|>\n")
     prompts = [system + tok.encode(f"<|im_start|>user\n{a} + {b} = ?<|im_end|>\n<|im_start|>assistant\n")
                for a, b in [(1, 2), (3, 4), (5, 6)]]
-    assert sampler_module.shared_prefix_len([tuple(p) for p in prompts]) >= len(system)
+    assert prefix_module.shared_prefix_len([tuple(p) for p in prompts]) >= len(system)
     sampler = Sampler(model, tok.pad_token_id, stop_token_ids(tok))
     reqs = [SampleRequest(prompts, 8, 1.0, torch.Generator().manual_seed(i), name) for i, name in enumerate(ADAPTERS)]
     for req, samples in zip(reqs, sampler.sample_requests(reqs)):

@@ -244,12 +244,12 @@ def test_common_prompt_prefix_is_prefilled_once(tiny, monkeypatch):
     """Prompts that share a long start (a system prompt) prefill it once: the same greedy tokens
     as HF `generate` and as a full prefill, logprobs those of a full forward (1e-5), and fewer
     tokens through the layers."""
-    import tinker_pipelines.rollout.sampler as sampler_module
+    import tinker_pipelines.rollout.shared_prefix as prefix_module
 
     model, tok = tiny
     system = torch.randint(5, len(tok), (24,), generator=torch.Generator().manual_seed(5)).tolist()
     prompts = [system + p for p in _prompts(len(tok))]
-    assert sampler_module.shared_prefix_len([tuple(p) for p in prompts]) == 24
+    assert prefix_module.shared_prefix_len([tuple(p) for p in prompts]) == 24
     seen = []
     real_prefill = LeanLlamaDecoder.prefill
     monkeypatch.setattr(LeanLlamaDecoder, "prefill",
@@ -260,7 +260,7 @@ def test_common_prompt_prefix_is_prefilled_once(tiny, monkeypatch):
     for prompt, s in zip(prompts, shared):
         want = _full_forward_logprobs(model, prompt, s.tokens, 1.0)
         assert torch.allclose(torch.tensor(s.logprobs), want, atol=1e-5)
-    monkeypatch.setattr(sampler_module, "SHARED_PREFIX_MIN", 10**6)
+    monkeypatch.setattr(prefix_module, "SHARED_PREFIX_MIN", 10**6)
     full = Sampler(model, tok.pad_token_id, [], reuse_prompts=False).sample(prompts, 12, temperature=0.0)
     assert seen[-1] == (len(prompts), max(map(len, prompts)))
     assert [s.tokens for s in full] == [s.tokens for s in shared]

@@ -14,7 +14,7 @@ All rows decode together. Where time goes on CPU, and what this module does abou
 - Identical prompts (a GRPO group) are prefilled once; a prompt that extends one of the last
   call's prompts (the next turn of an episode) reuses that prompt's keys and values while the
   weights are unchanged, so only the new tokens are prefilled. Otherwise a start that every
-  prompt shares (a system prompt, a task's instructions: `shared_prefix_len`) is prefilled once
+  prompt shares (a system prompt, a task's instructions: `shared_prefix`) is prefilled once
   per adapter and copied into each row's cache; the logprobs then differ from a full prefill's
   by float rounding (~1e-5 on SmolLM2; greedy tokens still equal `generate`'s).
 - Python touches per-step results only to test for stops (one boolean per step); tokens and
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from typing import Iterator
 
 import torch
@@ -35,28 +34,8 @@ from tinker_pipelines.rollout.draw import sample_tokens
 from tinker_pipelines.rollout.hf_decoder import _HFDecoder
 from tinker_pipelines.rollout.lean_llama import LeanLlamaDecoder, PromptStore, weights_fingerprint
 from tinker_pipelines.rollout.samples import BASE, Sample, SampleRequest, completion_text  # noqa: F401 (re-exported)
+from tinker_pipelines.rollout.shared_prefix import prefill_shared_prefix
 from tinker_pipelines.rollout.truncation import check_params, is_active
-
-
-SHARED_PREFIX_MIN = 16
-"""Shortest common prompt prefix (tokens) that `Sampler` prefills once for all rows."""
-
-
-def shared_prefix_len(prompts: list[tuple[int, ...]]) -> int:
-    """Tokens at the start of every prompt, when there are at least `SHARED_PREFIX_MIN` of them
-    and every prompt goes on past them; else 0.
-
-    >>> shared_prefix_len([tuple(range(20)) + (7,), tuple(range(20)) + (8, 9)])
-    20
-    >>> shared_prefix_len([tuple(range(20)), tuple(range(20)) + (8,)])  # one prompt is all prefix
-    19
-    >>> shared_prefix_len([tuple(range(10)) + (1,), tuple(range(10)) + (2,)])  # too short to pay
-    0
-    """
-    if len(prompts) < 2:
-        return 0
-    n = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
-    return n if n >= SHARED_PREFIX_MIN else 0
 
 
 class ContextOverflowError(ValueError):
@@ -191,29 +170,6 @@ class Sampler:
             self._mixed = (fingerprint, decoder if decoder.fused is not None else None)
         return self._mixed[1]
 
-    def _prefix_store(self, decoder: LeanLlamaDecoder, prompts: list[tuple[int, ...]], row_adapter: list[int],
-                      fingerprint: tuple | None) -> tuple[PromptStore | None, list]:
-        """Keys and values of the prompts' common prefix (a system prompt, a task's instructions),
-        prefilled once per adapter, and each prompt's hit in them; (None, [None, ...]) when
-        sharing saves fewer than `SHARED_PREFIX_MIN` tokens of every prompt sharing it."""
-        n = shared_prefix_len(prompts)
-        adapters = sorted(set(row_adapter))
-        if n == 0 or len(adapters) >= len(prompts):
-            return None, [None] * len(prompts)
-        prefix = prompts[0][:n]
-        device = decoder.embed.weight.device
-        input_PL = torch.tensor([prefix] * len(adapters), device=device)
-        mask_PL = torch.ones_like(input_PL)
-        positions_PL = torch.arange(n, device=device).expand(len(adapters), n)
-        if decoder.adapters is None:
-            decoder.prefill(input_PL, mask_PL, positions_PL, 0)
-        else:  # each adapter's own keys and values of the prefix
-            decoder.adapters.set_rows(adapters)
-            decoder.prefill_reusing(input_PL, mask_PL, positions_PL, 0, None, [None] * len(adapters))
-            decoder.adapters.set_rows(row_adapter)
-        store = PromptStore(decoder.keys, decoder.values, n, [n] * len(adapters), {}, fingerprint)
-        return store, [(adapters.index(a), n) for a in row_adapter]
-
     def _decode(self, requests: list[SampleRequest], decoder, fingerprint: tuple | None,
                 mixed: bool = False) -> list[list[Sample]]:
         device = next(self.model.parameters()).device
@@ -241,7 +197,7 @@ class Sampler:
             row_adapter = [names.index(k[0]) for k in unique]
             if not decoder.set_adapters([None if n == BASE else n for n in names], row_adapter):
                 raise _NotHostable
-            store, hits = self._prefix_store(decoder, [k[1] for k in unique], row_adapter, fingerprint)
+            store, hits = prefill_shared_prefix(decoder, [k[1] for k in unique], row_adapter, fingerprint)
             logits_BV = decoder.prefill_reusing(input_UL, mask_UL, positions_UL, M, store, hits)
             reuse = False
         else:
@@ -250,7 +206,7 @@ class Sampler:
                      else None)
             hits = [store.lookup(p) for p in unique] if store is not None else []
             if not any(hits) and getattr(decoder, "fused", None) is not None:
-                store, hits = self._prefix_store(decoder, list(unique), [0] * U, fingerprint)
+                store, hits = prefill_shared_prefix(decoder, list(unique), [0] * U, fingerprint)
             if any(hits):
                 logits_BV = decoder.prefill_reusing(input_UL, mask_UL, positions_UL, M, store, hits)
             else:

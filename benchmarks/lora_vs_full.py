@@ -3,7 +3,8 @@
     python -m benchmarks.lora_vs_full [--model smollm2-135m-instruct] [--batch 16] [--tokens 128]
 
 LoRA's reference is the base with the adapter disabled; full-parameter training keeps a frozen
-copy. Each mode runs in its own process (so peak memory is not shared) on the same datums: a
+copy. LoRA runs twice: through our fused LoRA layers (`tinker_pipelines/lora_linear.py`, what the
+learner uses) and through PEFT's own layer forwards (`lora-peft`, what a PEFT user gets). Each mode runs in its own process (so peak memory is not shared) on the same datums: a
 GRPO loss with a k3 KL penalty, one forward/backward and one Adam step, timed after a warm-up
 step, and split into the reference forward, the policy forward, the backward and the optimizer
 step (the two forwards timed again on their own). Peak memory is the process's peak resident
@@ -36,8 +37,12 @@ def reset_peak() -> None:
 def _one_mode(mode: str, model_name: str, batch: int, tokens: int, steps: int, micro: int, queue: mp.Queue) -> None:
     import torch
 
+    import tinker_pipelines.learner as learner_module
     from tinker_pipelines.algorithms import LossConfig, get_algorithm
     from tinker_pipelines.learner import Learner, LearnerConfig
+
+    if mode == "lora-peft":  # this process only: the learner leaves PEFT's layers as they are
+        learner_module.fuse_lora_layers = lambda model: 0
     from tinker_pipelines.models import load_model
     from tinker_pipelines.types import Datum
 
@@ -55,7 +60,7 @@ def _one_mode(mode: str, model_name: str, batch: int, tokens: int, steps: int, m
         w = [0.0] * (prompt - 1) + [1.0] * (tokens - prompt + 1)
         datums.append(Datum(tuple(ids[:-1]), tuple(ids[1:]), tuple(w), tuple(-2.0 * x for x in w),
                             tuple((1.0 if i % 2 else -1.0) * x for x in w)))
-    learner = Learner(model, LearnerConfig(mode=mode, learning_rate=1e-5, micro_batch_size=micro,
+    learner = Learner(model, LearnerConfig(mode=mode.split("-")[0], learning_rate=1e-5, micro_batch_size=micro,
                                            needs_reference=True), tok.pad_token_id)
     loss_fn, loss_cfg = get_algorithm("grpo").loss, LossConfig(kl_coef=0.05)
     times, parts = [], []
@@ -138,23 +143,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         export_as_directory(args.model, model_dir)
         lora = measure("lora", model_dir, args.batch, args.tokens, args.steps, args.micro_batch)
+        peft = measure("lora-peft", model_dir, args.batch, args.tokens, args.steps, args.micro_batch)
         full = measure("full", model_dir, args.batch, args.tokens, args.steps, args.micro_batch)
     print(f"{args.model}, one GRPO+KL step, batch {args.batch} x {args.tokens} tokens "
           f"(micro-batches of {args.micro_batch})")
-    print(f"{'mode':<6}{'trainable':>14}{'loaded MB':>11}{'peak MB':>10}{'step s':>9}")
-    for r in (lora, full):
-        print(f"{r['mode']:<6}{r['trainable']:>14,}{r['after_load_mb']:>11.0f}{r['peak_mb']:>10.0f}{r['step_s']:>9.2f}")
+    print(f"{'mode':<10}{'trainable':>14}{'loaded MB':>11}{'peak MB':>10}{'step s':>9}")
+    for r in (lora, peft, full):
+        print(f"{r['mode']:<10}{r['trainable']:>14,}{r['after_load_mb']:>11.0f}{r['peak_mb']:>10.0f}{r['step_s']:>9.2f}")
     print(f"\nwhere a step's time goes (s): reference forward (no gradient), policy forward, backward, optimizer")
-    print(f"{'mode':<6}{'reference':>11}{'forward':>9}{'backward':>10}{'optimizer':>11}")
-    for r in (lora, full):
+    print(f"{'mode':<10}{'reference':>11}{'forward':>9}{'backward':>10}{'optimizer':>11}")
+    for r in (lora, peft, full):
         b = r["breakdown"]
-        print(f"{r['mode']:<6}{b['reference_s']:>11.2f}{b['forward_s']:>9.2f}{b['backward_s']:>10.2f}{b['optimizer_s']:>11.2f}")
+        print(f"{r['mode']:<10}{b['reference_s']:>11.2f}{b['forward_s']:>9.2f}{b['backward_s']:>10.2f}{b['optimizer_s']:>11.2f}")
     memory_ratio, time_ratio = lora["peak_mb"] / full["peak_mb"], lora["step_s"] / full["step_s"]
-    print(f"LoRA / full: memory {memory_ratio:.2f}x (goal <= 0.6), time {time_ratio:.2f}x (goal <= 0.7)")
+    peft_ratio = peft["step_s"] / full["step_s"]
+    # Without a KL penalty neither mode runs its reference forward (a separate no-gradient pass).
+    no_kl = {r["mode"]: r["step_s"] - r["breakdown"]["reference_s"] for r in (lora, full)}
+    no_kl_ratio = no_kl["lora"] / no_kl["full"]
+    print(f"without a KL reference (the step less its reference forward): LoRA / full time {no_kl_ratio:.2f}x")
+    print(f"LoRA / full: memory {memory_ratio:.2f}x (goal <= 0.6), time {time_ratio:.2f}x (goal <= 0.7); "
+          f"through PEFT's layers: time {peft_ratio:.2f}x, fused / PEFT {lora['step_s'] / peft['step_s']:.2f}x")
     print(json.dumps({"memory_ratio": round(memory_ratio, 3), "time_ratio": round(time_ratio, 3),
+                      "no_kl_time_ratio": round(no_kl_ratio, 3), "peft_time_ratio": round(peft_ratio, 3), "peft_memory_ratio": round(peft["peak_mb"] / full["peak_mb"], 3),
                       "lora_peak_mb": round(lora["peak_mb"]), "full_peak_mb": round(full["peak_mb"]),
                       "lora_step_s": round(lora["step_s"], 3), "full_step_s": round(full["step_s"], 3),
-                      "lora_breakdown": lora["breakdown"], "full_breakdown": full["breakdown"],
+                      "lora_breakdown": lora["breakdown"], "peft_breakdown": peft["breakdown"],
+                      "full_breakdown": full["breakdown"],
                       "model": args.model, "batch": args.batch, "tokens": args.tokens,
                       "micro_batch": args.micro_batch}))
 

@@ -54,7 +54,7 @@ DAGSTER = {**PPO, "training": {**PPO["training"], "iterations": 3}}
 def _install_probes(fd: int, dagster: bool) -> None:
     import torch
 
-    import tinker_pipelines.learner as learner_mod
+    import tinker_pipelines.learner_checkpoint as learner_checkpoint
     from tinker_pipelines.learner import Learner
     from tinker_pipelines.experiment import Experiment
 
@@ -77,7 +77,7 @@ def _install_probes(fd: int, dagster: bool) -> None:
     wrap(Learner, "forward_backward", before="update")
     wrap(Learner, "save_state", before="checkpoint_write")
     wrap(Experiment, "save", after="after_checkpoint")
-    for owner, name in ((learner_mod, "save_file"), (torch, "save")):  # a window inside the write
+    for owner, name in ((learner_checkpoint, "save_file"), (torch, "save")):  # a window inside the write
         orig = getattr(owner, name)
 
         def slow(*a, _orig=orig, **k):

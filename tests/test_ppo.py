@@ -13,7 +13,8 @@ from tinker_pipelines.algorithms.gae import gae, gae_over_weighted
 from tinker_pipelines.config import ConfigError, config_from_dict
 from tinker_pipelines.datums import CriticDatum, critic_datums, trajectory_to_datum
 from tinker_pipelines.envs import EnvSpec
-from tinker_pipelines.learner import VALUE_HEAD_FILE, Learner, LearnerConfig
+from tinker_pipelines.learner import Learner, LearnerConfig
+from tinker_pipelines.learner_checkpoint import VALUE_HEAD_FILE
 from tinker_pipelines.models import stop_token_ids
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_groups
 from tinker_pipelines.rollout.sampler import Sampler

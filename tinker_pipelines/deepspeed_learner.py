@@ -41,7 +41,8 @@ from transformers import PreTrainedModel
 from tinker_pipelines import checkpoint as ckpt
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn, loss_normalization, micro_batch_share
 from tinker_pipelines.distributed import _deepspeed, init_process_group, is_main_process
-from tinker_pipelines.learner import VALUE_HEAD_FILE, Learner, LearnerConfig, ValueHead, _Padded, loss_batch, pad_datums
+from tinker_pipelines.learner import Learner, LearnerConfig, ValueHead, _Padded, loss_batch, pad_datums
+from tinker_pipelines.learner_checkpoint import VALUE_HEAD_FILE
 from tinker_pipelines.prefix_sharing import plan_prefix_sharing, supports_prefix_sharing
 from tinker_pipelines.types import Datum
 

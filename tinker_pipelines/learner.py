@@ -14,17 +14,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
-from safetensors.torch import load_file, save_file
+from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel
 
-from tinker_pipelines import checkpoint as ckpt
+from tinker_pipelines import learner_checkpoint
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn, loss_normalization, micro_batch_share
+from tinker_pipelines.lora_linear import fuse_lora_layers
 from tinker_pipelines.padding import _Padded, loss_batch, pad_datums
 from tinker_pipelines.prefix_sharing import (PrefixPlan, plan_prefix_sharing, shared_prefix_forward,
                                              supports_prefix_sharing)
@@ -86,9 +86,6 @@ class LearnerConfig:
         if self.temperature <= 0:
             raise ValueError(f"training.temperature must be positive for training, got {self.temperature}")
         check_params(self.top_k, self.top_p, self.min_p, prefix="training.")
-
-
-VALUE_HEAD_FILE = "value_head.safetensors"
 
 
 @contextlib.contextmanager
@@ -169,6 +166,7 @@ class Learner:
                                                        is_trainable=True)
             else:
                 self.model = get_peft_model(base_model, lora, adapter_name=adapter_name)
+            fuse_lora_layers(self.model)
             self.activate()
             marker = f".{adapter_name}."
             self.params = [p for n, p in self.model.named_parameters() if "lora_" in n and marker in n]
@@ -313,94 +311,12 @@ class Learner:
     def save_state(self, path: str | Path, record: dict[str, Any] | None = None,
                    extra_rng: dict[str, Any] | None = None) -> dict[str, Any]:
         """Write a checkpoint atomically; returns its record (with the content hash)."""
-        with ckpt.atomic_directory(path) as tmp:
-            if self.cfg.mode == "lora":
-                # Saved as the default adapter so `PeftModel.from_pretrained(base, path)` loads it.
-                self.activate()
-                state = get_peft_model_state_dict(self.model, adapter_name=self.adapter_name)
-                save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"))
-                self.model.peft_config[self.adapter_name].save_pretrained(str(tmp))
-            else:
-                self.model.save_pretrained(str(tmp))
-            if self.value_head is not None:
-                save_file({k: v.contiguous() for k, v in self.value_head.state_dict().items()},
-                          str(tmp / VALUE_HEAD_FILE))
-            torch.save({"optimizer": self.optimizer.state_dict(), "steps": self.steps}, tmp / "optimizer.pt")
-            torch.save({**ckpt.rng_state(), **(extra_rng or {})}, tmp / "rng.pt")
-            full = {"mode": self.cfg.mode, "base_model": self.base_name, "learner": asdict(self.cfg),
-                    "learner_steps": self.steps, **(record or {})}
-            full = ckpt.write_record(tmp, full)
-        return full
+        return learner_checkpoint.save_state(self, path, record, extra_rng)
 
-    @torch.no_grad()
     def verify_checkpoint(self, path: str | Path, probe_tokens: list[int]) -> dict[str, Any]:
-        """Check a checkpoint this learner wrote without loading a second model: its weight files
-        match the recorded content hash, load with safetensors, and every tensor equals the
-        resident one bit for bit (so a policy loaded from them is this one), whose logits on
-        `probe_tokens` must be finite. Raises when the record or the hash is wrong."""
-        path = Path(path)
-        record = ckpt.read_record(path, verify=True)
-        loaded: dict[str, torch.Tensor] = {}
-        if record["mode"] == "lora":
-            loaded.update(load_file(str(path / "adapter_model.safetensors")))
-            resident = dict(get_peft_model_state_dict(self.model, adapter_name=self.adapter_name))
-        else:
-            for f in sorted(path.glob("model*.safetensors")):
-                loaded.update(load_file(str(f)))
-            resident = dict(self.model.state_dict())
-        if self.value_head is not None or (path / VALUE_HEAD_FILE).exists():
-            loaded.update({f"value_head.{k}": v for k, v in load_file(str(path / VALUE_HEAD_FILE)).items()})
-            if self.value_head is not None:
-                resident.update({f"value_head.{k}": v for k, v in self.value_head.state_dict().items()})
-        missing, unexpected = ckpt.state_fit(set(loaded), set(resident), ckpt.tied_aliases(self.model))
-        differ = sorted(k for k in set(loaded) & set(resident) if not torch.equal(loaded[k], resident[k].cpu()))
-        self.activate()
-        ids = torch.tensor([probe_tokens[:32] or [0]], device=self.device)
-        finite = bool(torch.isfinite(self.model(input_ids=ids).logits).all())
-        return {"finite_logits": finite, "tensors_loaded": len(loaded), "differing": differ, "missing": missing,
-                "unexpected": unexpected}
+        """Check a checkpoint this learner wrote against the resident weights (`learner_checkpoint.verify`)."""
+        return learner_checkpoint.verify(self, path, probe_tokens)
 
     def load_state(self, path: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer and RNG states from `save_state`; returns the record."""
-        path = Path(path)
-        record = ckpt.read_record(path)
-        if record.get("mode") != self.cfg.mode:
-            raise ckpt.CheckpointError(f"checkpoint {path} was trained with mode={record.get('mode')!r}, "
-                                       f"not {self.cfg.mode!r}")
-        if self.base_name and record.get("base_model") and record["base_model"] != self.base_name:
-            raise ckpt.CheckpointError(f"checkpoint {path} was made with model {record['base_model']!r}, "
-                                       f"not {self.base_name!r}")
-        try:
-            self._load_tensors(path)
-        except (RuntimeError, KeyError) as e:  # shapes or names of another architecture
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ckpt.CheckpointError(f"checkpoint {path} (made with model {record.get('base_model')!r}) does not "
-                                       f"fit this model: {first[:300]}") from None
-        return record
-
-    def _load_tensors(self, path: Path) -> None:
-        if self.value_head is not None:
-            if not (path / VALUE_HEAD_FILE).exists():
-                raise ckpt.CheckpointError(f"checkpoint {path} has no {VALUE_HEAD_FILE}, but this learner trains a "
-                                           "value head")
-            self.value_head.load_state_dict(load_file(str(path / VALUE_HEAD_FILE), device=str(self.device)))
-        if self.cfg.mode == "lora":
-            from peft import set_peft_model_state_dict
-
-            set_peft_model_state_dict(self.model, load_file(str(path / "adapter_model.safetensors"),
-                                                            device=str(self.device)),
-                                      adapter_name=self.adapter_name)
-        else:
-            state, files = {}, sorted(path.glob("model*.safetensors"))
-            for f in files:
-                state.update(load_file(str(f), device=str(self.device)))
-            missing, unexpected = ckpt.state_fit(set(state), set(self.model.state_dict()),
-                                                 ckpt.tied_aliases(self.model))
-            if missing or unexpected:
-                raise ckpt.CheckpointError(ckpt.misfit_message(path, files, missing, unexpected))
-            ckpt.check_ties(path, state, ckpt.tied_aliases(self.model))
-            self.model.load_state_dict(state, strict=False)  # strict would want both names of a tie
-        opt = ckpt.load_torch_file(path / "optimizer.pt", map_location=self.device)
-        self.optimizer.load_state_dict(opt["optimizer"])
-        self.steps = opt["steps"]
-        ckpt.set_rng_state(ckpt.load_torch_file(path / "rng.pt"))
+        return learner_checkpoint.load_state(self, path)

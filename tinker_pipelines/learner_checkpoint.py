@@ -1,0 +1,123 @@
+"""A learner's checkpoints: write, verify and restore them (`Learner.save_state` and friends).
+
+A checkpoint directory holds the adapter (`adapter_model.safetensors` + PEFT's config, loadable
+with `PeftModel.from_pretrained`) or the full weights (`save_pretrained`), the value head where
+there is one, the optimizer and RNG states, and a record with a content hash (`checkpoint.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from peft import get_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+
+from tinker_pipelines import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from tinker_pipelines.learner import Learner
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+"""The value head's weights, beside the adapter or the model's."""
+
+
+def save_state(learner: Learner, path: str | Path, record: dict[str, Any] | None = None,
+               extra_rng: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write a checkpoint atomically; returns its record (with the content hash)."""
+    with ckpt.atomic_directory(path) as tmp:
+        if learner.cfg.mode == "lora":
+            # Saved as the default adapter so `PeftModel.from_pretrained(base, path)` loads it.
+            learner.activate()
+            state = get_peft_model_state_dict(learner.model, adapter_name=learner.adapter_name)
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"))
+            learner.model.peft_config[learner.adapter_name].save_pretrained(str(tmp))
+        else:
+            learner.model.save_pretrained(str(tmp))
+        if learner.value_head is not None:
+            save_file({k: v.contiguous() for k, v in learner.value_head.state_dict().items()},
+                      str(tmp / VALUE_HEAD_FILE))
+        torch.save({"optimizer": learner.optimizer.state_dict(), "steps": learner.steps}, tmp / "optimizer.pt")
+        torch.save({**ckpt.rng_state(), **(extra_rng or {})}, tmp / "rng.pt")
+        full = {"mode": learner.cfg.mode, "base_model": learner.base_name, "learner": asdict(learner.cfg),
+                "learner_steps": learner.steps, **(record or {})}
+        full = ckpt.write_record(tmp, full)
+    return full
+
+
+@torch.no_grad()
+def verify(learner: Learner, path: str | Path, probe_tokens: list[int]) -> dict[str, Any]:
+    """Check a checkpoint `learner` wrote without loading a second model: its weight files
+    match the recorded content hash, load with safetensors, and every tensor equals the
+    resident one bit for bit (so a policy loaded from them is the learner's), whose logits on
+    `probe_tokens` must be finite. Raises when the record or the hash is wrong."""
+    path = Path(path)
+    record = ckpt.read_record(path, verify=True)
+    loaded: dict[str, torch.Tensor] = {}
+    if record["mode"] == "lora":
+        loaded.update(load_file(str(path / "adapter_model.safetensors")))
+        resident = dict(get_peft_model_state_dict(learner.model, adapter_name=learner.adapter_name))
+    else:
+        for f in sorted(path.glob("model*.safetensors")):
+            loaded.update(load_file(str(f)))
+        resident = dict(learner.model.state_dict())
+    if learner.value_head is not None or (path / VALUE_HEAD_FILE).exists():
+        loaded.update({f"value_head.{k}": v for k, v in load_file(str(path / VALUE_HEAD_FILE)).items()})
+        if learner.value_head is not None:
+            resident.update({f"value_head.{k}": v for k, v in learner.value_head.state_dict().items()})
+    missing, unexpected = ckpt.state_fit(set(loaded), set(resident), ckpt.tied_aliases(learner.model))
+    differ = sorted(k for k in set(loaded) & set(resident) if not torch.equal(loaded[k], resident[k].cpu()))
+    learner.activate()
+    ids = torch.tensor([probe_tokens[:32] or [0]], device=learner.device)
+    finite = bool(torch.isfinite(learner.model(input_ids=ids).logits).all())
+    return {"finite_logits": finite, "tensors_loaded": len(loaded), "differing": differ, "missing": missing,
+            "unexpected": unexpected}
+
+
+def load_state(learner: Learner, path: str | Path) -> dict[str, Any]:
+    """Restore weights, optimizer and RNG states from `save_state`; returns the record."""
+    path = Path(path)
+    record = ckpt.read_record(path)
+    if record.get("mode") != learner.cfg.mode:
+        raise ckpt.CheckpointError(f"checkpoint {path} was trained with mode={record.get('mode')!r}, "
+                                   f"not {learner.cfg.mode!r}")
+    if learner.base_name and record.get("base_model") and record["base_model"] != learner.base_name:
+        raise ckpt.CheckpointError(f"checkpoint {path} was made with model {record['base_model']!r}, "
+                                   f"not {learner.base_name!r}")
+    try:
+        _load_tensors(learner, path)
+    except (RuntimeError, KeyError) as e:  # shapes or names of another architecture
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ckpt.CheckpointError(f"checkpoint {path} (made with model {record.get('base_model')!r}) does not "
+                                   f"fit this model: {first[:300]}") from None
+    return record
+
+
+def _load_tensors(learner: Learner, path: Path) -> None:
+    if learner.value_head is not None:
+        if not (path / VALUE_HEAD_FILE).exists():
+            raise ckpt.CheckpointError(f"checkpoint {path} has no {VALUE_HEAD_FILE}, but this learner trains a "
+                                       "value head")
+        learner.value_head.load_state_dict(load_file(str(path / VALUE_HEAD_FILE), device=str(learner.device)))
+    if learner.cfg.mode == "lora":
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(learner.model, load_file(str(path / "adapter_model.safetensors"),
+                                                        device=str(learner.device)),
+                                  adapter_name=learner.adapter_name)
+    else:
+        state, files = {}, sorted(path.glob("model*.safetensors"))
+        for f in files:
+            state.update(load_file(str(f), device=str(learner.device)))
+        missing, unexpected = ckpt.state_fit(set(state), set(learner.model.state_dict()),
+                                             ckpt.tied_aliases(learner.model))
+        if missing or unexpected:
+            raise ckpt.CheckpointError(ckpt.misfit_message(path, files, missing, unexpected))
+        ckpt.check_ties(path, state, ckpt.tied_aliases(learner.model))
+        learner.model.load_state_dict(state, strict=False)  # strict would want both names of a tie
+    opt = ckpt.load_torch_file(path / "optimizer.pt", map_location=learner.device)
+    learner.optimizer.load_state_dict(opt["optimizer"])
+    learner.steps = opt["steps"]
+    ckpt.set_rng_state(ckpt.load_torch_file(path / "rng.pt"))

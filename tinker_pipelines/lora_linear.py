@@ -12,6 +12,10 @@ backward writes `dx` once, adding the LoRA path into it in place:
     dx_NI = dy_NO W_OI + s (dy_NO B_OR) A_RI
     dA_RI = s (dy_NO B_OR)^T x_NI          dB_OR = s dy_NO^T (x_NI A_RI^T)
 
+The same function takes spans of rows with an adapter each (`lora_linear`): the worker's
+cross-experiment batches (`worker.batching.row_adapters`) add every experiment's delta to its own
+rows inside the one base output, with no per-layer slicing and concatenation.
+
 The function is the same as PEFT's up to float rounding (the order of two additions), and the
 parameters and checkpoints are PEFT's own: `fuse_lora_layers` only changes how the layers run.
 Anything else PEFT's layer can do (several active adapters, dropout, DoRA and other variants,
@@ -27,67 +31,95 @@ import torch
 
 
 class _LoraLinear(torch.autograd.Function):
-    """`y = x W^T + b + s (x A^T) B^T` over the last dimension of `x`."""
+    """`y = x W^T + b`, plus on each span of rows its adapter's `s (x A^T) B^T`, over the last
+    dimension of `x`. `spans` are (first row, end row, adapter index) over the flattened rows;
+    `factors` are A_0, B_0, A_1, B_1, ...; one span over every row is a plain LoRA layer."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight_OI: torch.Tensor, bias_O: torch.Tensor | None,
-                A_RI: torch.Tensor, B_OR: torch.Tensor, scaling: float) -> torch.Tensor:
+                spans: tuple[tuple[int, int, int], ...], scalings: tuple[float, ...],
+                *factors: torch.Tensor) -> torch.Tensor:
         x_NI = x.reshape(-1, x.shape[-1])
-        ax_NR = x_NI @ A_RI.t()
         y_NO = torch.addmm(bias_O, x_NI, weight_OI.t()) if bias_O is not None else x_NI @ weight_OI.t()
-        y_NO.addmm_(ax_NR, B_OR.t(), alpha=scaling)
-        ctx.save_for_backward(x_NI, weight_OI, A_RI, B_OR, ax_NR)
-        ctx.scaling, ctx.has_bias = scaling, bias_O is not None
+        ax = []
+        for s, e, k in spans:
+            A_RI, B_OR = factors[2 * k], factors[2 * k + 1]
+            ax_SR = x_NI[s:e] @ A_RI.t()
+            y_NO[s:e].addmm_(ax_SR, B_OR.t(), alpha=scalings[k])
+            ax.append(ax_SR)
+        ctx.save_for_backward(x_NI, weight_OI, *factors, *ax)
+        ctx.spans, ctx.scalings, ctx.has_bias, ctx.n_factors = spans, scalings, bias_O is not None, len(factors)
         return y_NO.view(*x.shape[:-1], y_NO.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x_NI, weight_OI, A_RI, B_OR, ax_NR = ctx.saved_tensors
-        s = ctx.scaling
+        x_NI, weight_OI, *rest = ctx.saved_tensors
+        factors, ax = rest[:ctx.n_factors], rest[ctx.n_factors:]
         dy_NO = dy.reshape(-1, dy.shape[-1])
-        need_x, need_w, need_b, need_a, need_b_lora, _ = ctx.needs_input_grad
-        dax_NR = (dy_NO @ B_OR).mul_(s) if (need_x or need_a) else None
-        dx = dw = db = da = dbl = None
-        if need_x:
-            dx_NI = dy_NO @ weight_OI
-            dx_NI.addmm_(dax_NR, A_RI)
-            dx = dx_NI.view(*dy.shape[:-1], x_NI.shape[-1])
-        if need_w:
-            dw = dy_NO.t() @ x_NI
-        if need_b and ctx.has_bias:
-            db = dy_NO.sum(0)
-        if need_a:
-            da = dax_NR.t() @ x_NI
-        if need_b_lora:
-            dbl = (dy_NO.t() @ ax_NR).mul_(s)
-        return dx, dw, db, da, dbl, None
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_f = ctx.needs_input_grad[5:]
+        dx_NI = dy_NO @ weight_OI if need_x else None
+        dfactors: list[torch.Tensor | None] = [None] * len(factors)
+        for (s, e, k), ax_SR in zip(ctx.spans, ax):
+            A_RI, B_OR, scaling = factors[2 * k], factors[2 * k + 1], ctx.scalings[k]
+            dy_SO = dy_NO[s:e]
+            if need_x or need_f[2 * k]:
+                dax_SR = (dy_SO @ B_OR).mul_(scaling)
+                if need_x:
+                    dx_NI[s:e].addmm_(dax_SR, A_RI)
+                if need_f[2 * k]:
+                    dfactors[2 * k] = _accumulate(dfactors[2 * k], dax_SR.t() @ x_NI[s:e])
+            if need_f[2 * k + 1]:
+                dfactors[2 * k + 1] = _accumulate(dfactors[2 * k + 1], (dy_SO.t() @ ax_SR).mul_(scaling))
+        dx = dx_NI.view(*dy.shape[:-1], x_NI.shape[-1]) if need_x else None
+        dw = dy_NO.t() @ x_NI if need_w else None
+        db = dy_NO.sum(0) if need_b and ctx.has_bias else None
+        return (dx, dw, db, None, None, *dfactors)
 
 
-def _fusable(layer: torch.nn.Module, x: torch.Tensor, args: tuple, kwargs: dict) -> str | None:
-    """The one active vanilla adapter `layer` would apply to `x`, or None where PEFT must run."""
-    if args or kwargs or layer.disable_adapters or layer.merged or torch.is_autocast_enabled():
-        return None
-    active = [a for a in layer.active_adapters if a in layer.lora_A]
-    if len(active) != 1:
-        return None
-    name = active[0]
+def _accumulate(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    return part if total is None else total.add_(part)
+
+
+def _vanilla(layer: torch.nn.Module, name: str, x: torch.Tensor) -> bool:
+    """Whether adapter `name` of `layer` is a plain LoRA delta this module can apply to `x`."""
     base = layer.base_layer
-    if (name in getattr(layer, "lora_variant", {}) or type(base) is not torch.nn.Linear
-            or not isinstance(layer.lora_dropout[name], torch.nn.Identity)
-            or layer.lora_B[name].bias is not None):
+    return (name not in getattr(layer, "lora_variant", {}) and type(base) is torch.nn.Linear
+            and isinstance(layer.lora_dropout[name], torch.nn.Identity) and layer.lora_B[name].bias is None
+            and x.dtype == base.weight.dtype == layer.lora_A[name].weight.dtype == layer.lora_B[name].weight.dtype)
+
+
+def lora_linear(layer: torch.nn.Module, x: torch.Tensor,
+                segments: list[tuple[int, int, str | None]]) -> torch.Tensor | None:
+    """`layer`'s base output on `x` with, on each segment [start, end) of its leading dimension,
+    the delta of the named adapter (none for None or an adapter that does not target this layer),
+    in one fused pass; None where PEFT's own code must run (see the module docstring)."""
+    if layer.merged or torch.is_autocast_enabled() or type(layer.base_layer) is not torch.nn.Linear:
         return None
-    if not (x.dtype == base.weight.dtype == layer.lora_A[name].weight.dtype == layer.lora_B[name].weight.dtype):
-        return None
-    return name
+    per_row = x[0].numel() // x.shape[-1] if x.dim() > 1 else 1
+    names: list[str] = []
+    spans = []
+    for start, end, name in segments:
+        if name is None or name not in layer.lora_A:
+            continue
+        if not _vanilla(layer, name, x):
+            return None
+        if name not in names:
+            names.append(name)
+        spans.append((start * per_row, end * per_row, names.index(name)))
+    base = layer.base_layer
+    factors = [w for n in names for w in (layer.lora_A[n].weight, layer.lora_B[n].weight)]
+    return _LoraLinear.apply(x, base.weight, base.bias, tuple(spans), tuple(float(layer.scaling[n]) for n in names),
+                             *factors)
 
 
 def _fused_forward(layer: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    name = _fusable(layer, x, args, kwargs)
-    if name is None:
-        return layer._peft_forward(x, *args, **kwargs)
-    base = layer.base_layer
-    return _LoraLinear.apply(x, base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight,
-                             float(layer.scaling[name]))
+    y = None
+    if not (args or kwargs or layer.disable_adapters):
+        active = [a for a in layer.active_adapters if a in layer.lora_A]
+        if len(active) == 1:
+            y = lora_linear(layer, x, [(0, x.shape[0] if x.dim() > 1 else 1, active[0])])
+    return layer._peft_forward(x, *args, **kwargs) if y is None else y
 
 
 def fuse_lora_layers(model: torch.nn.Module) -> int:

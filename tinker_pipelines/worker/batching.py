@@ -8,14 +8,15 @@ clip and the Adam step stay per experiment (`Learner.optim_step`). Sampling does
 inside the lean decoder (`LeanLlamaDecoder.set_adapters`).
 
 PEFT's own mixed batches (`adapter_names=`) are inference-only and gather each adapter's rows;
-here rows of one adapter are contiguous slices, which autograd handles without copies beyond a
-concatenation per layer.
+here rows of one adapter are contiguous slices, and each LoRA layer adds every slice's delta
+inside its base output and writes its input gradient once (`lora_linear`): no copies per layer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import types
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -23,6 +24,7 @@ import torch
 
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn, loss_normalization, micro_batch_share
 from tinker_pipelines.learner import Learner, loss_batch, pad_datums
+from tinker_pipelines.lora_linear import lora_linear
 from tinker_pipelines.prefix_sharing import PrefixPlan, plan_prefix_sharing, supports_prefix_sharing
 from tinker_pipelines.types import Datum
 
@@ -38,15 +40,20 @@ def lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 @contextlib.contextmanager
 def row_adapters(model: torch.nn.Module, layouts: dict[int, Segments]) -> Iterator[None]:
     """Within the block, every LoRA layer adds adapter deltas per row segment on top of the
-    base output. Use inside `model.disable_adapter()` so the layers themselves add nothing.
-    `layouts` maps a batch size to its segments: a shared-prefix forward runs its prefix rows
-    and its continuation rows as two batches of different sizes."""
+    base output, in one fused pass where it can (`lora_linear`). Use inside
+    `model.disable_adapter()` so the layers themselves add nothing otherwise. `layouts` maps a
+    batch size to its segments: a shared-prefix forward runs its prefix rows and its
+    continuation rows as two batches of different sizes."""
 
-    def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        x = args[0]
+    def forward(module: torch.nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         segments = layouts.get(x.shape[0])
         if segments is None:
             raise RuntimeError(f"no adapter layout for a batch of {x.shape[0]} rows (have {sorted(layouts)})")
+        if not (args or kwargs):
+            fused = lora_linear(module, x, segments)
+            if fused is not None:
+                return fused
+        output = previous[module](x, *args, **kwargs)  # the base alone: adapters are disabled
         pieces = []
         for s, e, name in segments:
             y = output[s:e]
@@ -55,12 +62,19 @@ def row_adapters(model: torch.nn.Module, layouts: dict[int, Segments]) -> Iterat
             pieces.append(y)
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
-    handles = [m.register_forward_hook(hook) for m in lora_layers(model)]
+    layers = lora_layers(model)
+    previous = {m: m.forward for m in layers}
+    own = {m: m.__dict__.get("forward") for m in layers}  # a fused layer's own forward, else None
+    for m in layers:
+        m.forward = types.MethodType(forward, m)
     try:
         yield
     finally:
-        for h in handles:
-            h.remove()
+        for m in layers:
+            if own[m] is None:
+                del m.forward
+            else:
+                m.forward = own[m]
 
 
 class _SegmentHeads(torch.nn.Module):

@@ -7,7 +7,7 @@ import copy
 import torch
 from peft import LoraConfig, get_peft_model
 
-from tinker_pipelines.lora_linear import _LoraLinear, fuse_lora_layers, lora_linear
+from tinker_pipelines.lora_linear import _LoraLinear, adapters_disabled, fuse_lora_layers, lora_linear
 from tinker_pipelines.models import load_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -145,3 +145,22 @@ def test_row_adapters_give_each_segment_its_own_adapter_fused_or_not():
     x = torch.randn(2, 3, q_proj.in_features)
     assert lora_linear(q_proj, x, [(0, 2, "default")]) is not None
     assert lora_linear(q_proj, x, [(0, 1, "default"), (1, 2, "drop")]) is None  # dropout: PEFT's modules
+
+
+def test_adapters_disabled_is_peft_disable_adapter_without_its_side_effects():
+    peft_model, fused = _peft_pair()
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(8))
+    grads_before = {n: p.requires_grad for n, p in fused.named_parameters()}
+    with torch.no_grad():
+        with peft_model.disable_adapter():
+            expected = peft_model(input_ids=ids).logits
+        with adapters_disabled(fused):
+            base_only = fused(input_ids=ids).logits
+        adapted = fused(input_ids=ids).logits
+    assert torch.equal(base_only, expected)
+    assert not torch.allclose(adapted, base_only, atol=1e-3)  # leaving the block brings the adapters back
+    assert {n: p.requires_grad for n, p in fused.named_parameters()} == grads_before
+    # a model whose LoRA layers are not all fused gets PEFT's own `disable_adapter`
+    with torch.no_grad(), adapters_disabled(peft_model):
+        assert torch.equal(peft_model(input_ids=ids).logits, expected)
+        assert all(m.disable_adapters for m in peft_model.modules() if hasattr(m, "lora_A"))

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 
 from tinker_pipelines import learner_checkpoint
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn, loss_normalization, micro_batch_share
-from tinker_pipelines.lora_linear import fuse_lora_layers
+from tinker_pipelines.lora_linear import adapters_disabled, fuse_lora_layers
 from tinker_pipelines.padding import _Padded, loss_batch, pad_datums
 from tinker_pipelines.prefix_sharing import (PrefixPlan, plan_prefix_sharing, shared_prefix_forward,
                                              supports_prefix_sharing)
@@ -239,7 +239,7 @@ class Learner:
         """Logprobs of the targets under the reference policy."""
         if self.cfg.mode == "lora":
             self.activate()
-            with self.model.disable_adapter():
+            with adapters_disabled(self.model):
                 return self._forward(self.model, padded, sampled_support=False)[0]
         if self.reference is None:
             raise RuntimeError("full-parameter learner was built without a reference (needs_reference=False)")

@@ -24,7 +24,7 @@ import torch
 
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn, loss_normalization, micro_batch_share
 from tinker_pipelines.learner import Learner, loss_batch, pad_datums
-from tinker_pipelines.lora_linear import lora_linear
+from tinker_pipelines.lora_linear import adapters_disabled, lora_linear
 from tinker_pipelines.prefix_sharing import PrefixPlan, plan_prefix_sharing, supports_prefix_sharing
 from tinker_pipelines.types import Datum
 
@@ -41,7 +41,7 @@ def lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def row_adapters(model: torch.nn.Module, layouts: dict[int, Segments]) -> Iterator[None]:
     """Within the block, every LoRA layer adds adapter deltas per row segment on top of the
     base output, in one fused pass where it can (`lora_linear`). Use inside
-    `model.disable_adapter()` so the layers themselves add nothing otherwise. `layouts` maps a
+    `adapters_disabled(model)` so the layers themselves add nothing otherwise. `layouts` maps a
     batch size to its segments: a shared-prefix forward runs its prefix rows and its
     continuation rows as two batches of different sizes."""
 
@@ -185,13 +185,13 @@ def _one_pass(model: torch.nn.Module, lead: Learner, members: list[tuple[FBJob, 
     needs_ref = any(j.learner.cfg.needs_reference for j, _ in members)
     ref_BT = None
     if needs_ref:
-        with torch.no_grad(), model.disable_adapter():
+        with torch.no_grad(), adapters_disabled(model):
             ref_BT = lead._forward(model, padded, temperature=temp_B11, truncation=truncation, head=None,
                                   plan=plan, sampled_support=False)[0]
     heads = [(s, e, j.learner.value_head) for s, e, j in bounds]
     head = _SegmentHeads(heads) if any(h is not None for _, _, h in heads) else None
-    with model.disable_adapter(), row_adapters(model, layouts):
-        for j, _ in members:  # PEFT froze them: `disable_adapter` and `set_adapter` of another adapter
+    with adapters_disabled(model), row_adapters(model, layouts):
+        for j, _ in members:  # PEFT froze them: `set_adapter` of another adapter (and `disable_adapter`, the fallback)
             for p in j.learner.params:
                 p.requires_grad_(True)
         lp_BT, values_BT = lead._forward(model, padded, values=head is not None, temperature=temp_B11,
@@ -211,7 +211,7 @@ def _one_pass(model: torch.nn.Module, lead: Learner, members: list[tuple[FBJob, 
         for k, v in {"loss": loss.item(), **metrics}.items():
             job.totals[k] = job.totals.get(k, 0.0) + v * share
     if total is not None and math.isfinite(total.item()):
-        for j, _ in members:  # leaving `disable_adapter` froze them again, and a frozen leaf drops its gradient
+        for j, _ in members:  # leaving a fallback `disable_adapter` froze them again: a frozen leaf drops its gradient
             for p in j.learner.params:
                 p.requires_grad_(True)
         total.backward()

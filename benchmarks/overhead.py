@@ -45,6 +45,10 @@ PRESETS = {
 }
 
 
+PHASES = ("time/rollout_s", "time/train_s")
+"""Per-iteration phase times both sides record (sampling the episodes; the optimizer step)."""
+
+
 def bench_config(iterations: int, preset: str = "standard") -> dict:
     p = PRESETS[preset]
     return {"seed": 0, "model": p["model"],
@@ -68,8 +72,9 @@ def run_plain(cfg_dict: dict, out: Path) -> tuple[float, float, list[dict]]:
             marks["start"], marks["cpu"] = time.perf_counter(), time.process_time()
 
     history = train(cfg, on_iteration=on_iteration)
+    phases = {key: statistics.fmean(m[key] for m in history if key in m) for key in PHASES}
     return (time.perf_counter() - marks["start"], time.process_time() - marks["cpu"],
-            [deterministic_metrics(m) for m in history])
+            [deterministic_metrics(m) for m in history], phases)
 
 
 def run_dagster(cfg_dict: dict, home: Path, experiment: str, executor: str = "in_process"
@@ -111,7 +116,8 @@ def run_dagster(cfg_dict: dict, home: Path, experiment: str, executor: str = "in
         for step, value in tracker.history(run_id, key):
             per_step.setdefault(step, {})[key] = value
     assert tracker.latest_version(registered_model_name(experiment)) is not None
-    return wall, cpu, [per_step[k] for k in sorted(per_step)]
+    phases = {key: statistics.fmean(v for step, v in tracker.history(run_id, key) if step >= 0) for key in PHASES}
+    return wall, cpu, [per_step[k] for k in sorted(per_step)], phases
 
 
 def _start_worker(sft_base: Path, address: Path):
@@ -144,11 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TINKER_HOME"] = str(tmp / "tinker")
     cfg = bench_config(args.iterations, args.preset)
     plain_times, dagster_times, plain_cpu, dagster_cpu, plain_m, dagster_m = [], [], [], [], None, None
+    phases: dict[str, list[dict]] = {"plain": [], "dagster": []}
     for r in range(args.repeats):
-        t, c, plain_m = run_plain(cfg, tmp / f"plain{r}")
+        t, c, plain_m, ph = run_plain(cfg, tmp / f"plain{r}")
         plain_times.append(t)
         plain_cpu.append(c)
-        t, c, dagster_m = run_dagster(cfg, tmp / "tinker", f"overhead{r}", args.executor)
+        phases["plain"].append(ph)
+        t, c, dagster_m, ph = run_dagster(cfg, tmp / "tinker", f"overhead{r}", args.executor)
+        phases["dagster"].append(ph)
         dagster_times.append(t)
         dagster_cpu.append(c)
         print(f"repeat {r}: plain {plain_times[-1]:.2f}s  dagster {dagster_times[-1]:.2f}s", file=sys.stderr)
@@ -165,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'wall time (s)':28}{plain:>16.2f}{dag:>16.2f}")
     print(f"{'per iteration (s)':28}{plain / n:>16.3f}{dag / n:>16.3f}")
     print(f"{'overhead per iteration (s)':28}{'':>16}{(dag - plain) / n:>16.3f}")
+    best = {side: phases[side][(plain_times if side == "plain" else dagster_times).index(t)]
+            for side, t in (("plain", plain), ("dagster", dag))}
+    for key in PHASES:
+        print(f"{'  ' + key.split('/')[1] + ' (mean)':28}{best['plain'][key]:>16.3f}{best['dagster'][key]:>16.3f}")
+    rest = {side: (total / n - sum(best[side].values())) for side, total in (("plain", plain), ("dagster", dag))}
+    print(f"{'  the rest (mean)':28}{rest['plain']:>16.3f}{rest['dagster']:>16.3f}   "
+          "(evaluation, checkpoints, tracking; on Dagster also its steps and artifacts)")
     pc, dc = min(plain_cpu), min(dagster_cpu)
     print(f"{'process CPU time (s)':28}{pc:>16.2f}{dc:>16.2f}" + ("   (this process only: not the steps or the worker)"
                                                                  if args.executor == "gpu" else ""))
@@ -181,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  iteration {k}: {dict(list(diff.items())[:4])}")
                 break
     print(json.dumps({"ratio": round(dag / plain, 4), "identical": identical, "iterations": n,
+                      "phases_s": {side: {k.split("/")[1]: round(v, 3) for k, v in best[side].items()}
+                                   for side in best},
                       "cpu_ratio": round(dc / pc, 4) if args.executor == "in_process" else None, "preset": args.preset, "executor": args.executor,
                       "load_avg_1min": [round(load_start, 2), round(os.getloadavg()[0], 2)]}))
     return 0

@@ -101,3 +101,37 @@ def test_mixed_adapter_batch_on_cuda():
                 lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
             ref = [lp[len(prompt) - 1 + j, tk].item() for j, tk in enumerate(s.tokens)]
             assert max(abs(a - b) for a, b in zip(s.logprobs, ref)) < 1e-4
+
+
+@CUDA
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+def test_fused_lora_layers_on_cuda(dtype, tol):
+    """The fused LoRA linear (`lora_linear.py`) on a GPU: PEFT's logits and adapter gradients."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from tinker_pipelines.lora_linear import fuse_lora_layers
+
+    torch.manual_seed(0)
+    model, _ = load_model("tiny")
+    model.to("cuda", dtype)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+                                autocast_adapter_dtype=False)  # adapters in the base's dtype: the fused path
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    fused = copy.deepcopy(peft_model)
+    assert fuse_lora_layers(fused) > 0
+    ids = torch.randint(0, 100, (2, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    outs = []
+    for m in (peft_model, fused):
+        logits = m(input_ids=ids).logits.float()
+        logits.log_softmax(-1)[..., 3].mean().backward()
+        outs.append((logits.detach(), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}))
+    (ref, ref_grads), (got, grads) = outs
+    assert (got - ref).abs().max().item() < tol
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, g in grads.items():
+        assert (g - ref_grads[name]).abs().max().item() <= tol * max(1.0, ref_grads[name].abs().max().item()), name

@@ -3,10 +3,10 @@
 PEFT computes `base(x) + lora_B(lora_A(x)) * scaling` as four autograd nodes: the LoRA output,
 its scaled copy and the sum are each a tensor the size of the layer's output, written and read
 again in the backward (the scale's gradient, the sum's fan-out, and a second `dx` added to the
-base's). On a CPU, where a LoRA step's matmuls already run near the peak, those passes are most
-of what a LoRA step costs beyond its base forward and input-gradient matmuls. Here the delta is
-accumulated into the base output inside one matmul (`addmm_` with `alpha=scaling`), and the
-backward writes `dx` once, adding the LoRA path into it in place:
+base's). Here the delta is accumulated into the base output inside one matmul (`addmm_` with
+`alpha=scaling`), and the backward writes `dx` once, adding the LoRA path into it in place (on
+SmolLM2 on a CPU a LoRA step takes 0.89-0.97x the time and 0.81-0.90x the peak memory it takes
+through PEFT's layers: `benchmarks.lora_vs_full`):
 
     y_NO  = x_NI W_OI^T + b_O + s (x_NI A_RI^T) B_OR^T
     dx_NI = dy_NO W_OI + s (dy_NO B_OR) A_RI

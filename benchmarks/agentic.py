@@ -115,7 +115,8 @@ TOOLS_PRESETS = {
                              eval_tasks=40),
 }
 RACE = {
-    "sft": {"steps": 80, "batch_size": 32, "learning_rate": 3e-3, "examples": 3000, "illegal_fraction": 0.1},
+    "sft": {"steps": 80, "batch_size": 32, "learning_rate": 3e-3, "examples": 3000, "illegal_fraction": 0.1,
+            "read_fraction": 0.0},
     # One token per move: digits are single tokens, the chat template closes the turn. With room
     # for more, one large GRPO step once pushed an agent off the end-of-turn token ('333',
     # '223': KL 4.7 to the base in one step) and it lost nearly every game.
@@ -272,7 +273,8 @@ def run_race(seed: int) -> dict:
     seed_everything(seed)
     model, tok = load_model("tiny", seed=seed)
     s, r = RACE["sft"], RACE["rl"]
-    sft(model, tok, RaceEnv.sft_examples(s["examples"], seed=seed, illegal_fraction=s["illegal_fraction"]),
+    sft(model, tok, RaceEnv.sft_examples(s["examples"], seed=seed, illegal_fraction=s["illegal_fraction"],
+                                         read_fraction=s["read_fraction"]),
         s["steps"], s["batch_size"],
         s["learning_rate"], seed, "race")
     cfg = MultiAgentConfig(seed=seed, learning_rate=r["learning_rate"], groups_per_batch=r["groups_per_batch"],
@@ -319,7 +321,11 @@ def main() -> None:
                         help="scripted opponents mixed into race training ('' for self-play only)")
     parser.add_argument("--race-pool-groups", type=int, default=RACE["rl"]["scripted_groups"])
     parser.add_argument("--race-iterations", type=int, default=RACE["rl"]["iterations"])
+    parser.add_argument("--race-sft-steps", type=int, default=RACE["sft"]["steps"])
+    parser.add_argument("--race-sft-read", type=float, default=RACE["sft"]["read_fraction"],
+                        help='share of warm-start examples that ask "What is the total?" (reading the position)')
     args = parser.parse_args()
+    RACE["sft"].update(steps=args.race_sft_steps, read_fraction=args.race_sft_read)
     pool = tuple(p for p in args.race_pool.split(",") if p)
     RACE["rl"].update(learning_rate=args.race_lr, kl_coef=args.race_kl, scripted_opponents=pool,
                       scripted_groups=args.race_pool_groups if pool else 0, iterations=args.race_iterations)

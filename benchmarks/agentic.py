@@ -52,7 +52,6 @@ from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes, run_g
 from tinker_pipelines.rollout.sampler import Sampler
 from tinker_pipelines.envs import EnvSpec
 from tinker_pipelines.experiment import derived_seed
-from tinker_pipelines.types import TrajectoryGroup
 
 @dataclass(frozen=True)
 class ToolsConfig:

@@ -150,7 +150,7 @@ def main() -> None:
     print(f"{'mode':<10}{'trainable':>14}{'loaded MB':>11}{'peak MB':>10}{'step s':>9}")
     for r in (lora, peft, full):
         print(f"{r['mode']:<10}{r['trainable']:>14,}{r['after_load_mb']:>11.0f}{r['peak_mb']:>10.0f}{r['step_s']:>9.2f}")
-    print(f"\nwhere a step's time goes (s): reference forward (no gradient), policy forward, backward, optimizer")
+    print("\nwhere a step's time goes (s): reference forward (no gradient), policy forward, backward, optimizer")
     print(f"{'mode':<10}{'reference':>11}{'forward':>9}{'backward':>10}{'optimizer':>11}")
     for r in (lora, peft, full):
         b = r["breakdown"]

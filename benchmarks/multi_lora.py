@@ -115,7 +115,7 @@ def differences(a: list[dict], b: list[dict]) -> list[str]:
 def sampling_part(model_name: str, rows: int = 16, tokens: int = 32, reps: int = 3) -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from tinker_pipelines.models import encode_chat, load_model, stop_token_ids
+    from tinker_pipelines.models import encode_chat, load_model
     from tinker_pipelines.rollout.sampler import Sampler, SampleRequest
 
     model, tok = load_model(model_name, device=DEVICE)

@@ -160,6 +160,11 @@ def test_adapters_disabled_is_peft_disable_adapter_without_its_side_effects():
     assert torch.equal(base_only, expected)
     assert not torch.allclose(adapted, base_only, atol=1e-3)  # leaving the block brings the adapters back
     assert {n: p.requires_grad for n, p in fused.named_parameters()} == grads_before
+    # a merged layer's base alone is not the base: PEFT's `disable_adapter` (which unmerges) runs
+    merged = copy.deepcopy(fused)
+    merged.merge_adapter()
+    with torch.no_grad(), adapters_disabled(merged):
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
     # a model whose LoRA layers are not all fused gets PEFT's own `disable_adapter`
     with torch.no_grad(), adapters_disabled(peft_model):
         assert torch.equal(peft_model(input_ids=ids).logits, expected)

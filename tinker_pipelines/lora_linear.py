@@ -144,11 +144,12 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, `model` runs as its base alone, like PEFT's `disable_adapter()` but
     without its walks over every module on entry and exit (tens of milliseconds on SmolLM2, paid
     per micro-batch by a KL reference) and without changing which parameters require gradients.
-    A model with LoRA layers that are not fused falls back to `disable_adapter()`."""
+    A model with LoRA layers that are not fused, or merged into their base weights (whose base
+    alone is then no longer the base), falls back to `disable_adapter()`, which unmerges them."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    if not all("_peft_forward" in m.__dict__ for m in layers):
+    if not all("_peft_forward" in m.__dict__ and not m.merged for m in layers):
         with model.disable_adapter():
             yield
         return

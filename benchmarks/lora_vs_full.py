@@ -4,8 +4,8 @@
 
 LoRA's reference is the base with the adapter disabled; full-parameter training keeps a frozen
 copy. LoRA runs twice: through our fused LoRA layers (`tinker_pipelines/lora_linear.py`, what the
-learner uses) and through PEFT's own layer forwards (`lora-peft`, what a PEFT user gets). Each mode runs in its own process (so peak memory is not shared) on the same datums: a
-GRPO loss with a k3 KL penalty, one forward/backward and one Adam step, timed after a warm-up
+learner uses) and through PEFT's own layer forwards (`lora-peft`, what a PEFT user gets). Each
+mode runs in its own process (so peak memory is not shared) on the same datums: a GRPO loss with a k3 KL penalty, one forward/backward and one Adam step, timed after a warm-up
 step, and split into the reference forward, the policy forward, the backward and the optimizer
 step (the two forwards timed again on their own). Peak memory is the process's peak resident
 set size from after the model has loaded (weights included) to the end of the steps. The last
@@ -164,7 +164,8 @@ def main() -> None:
     print(f"LoRA / full: memory {memory_ratio:.2f}x (goal <= 0.6), time {time_ratio:.2f}x (goal <= 0.7); "
           f"through PEFT's layers: time {peft_ratio:.2f}x, fused / PEFT {lora['step_s'] / peft['step_s']:.2f}x")
     print(json.dumps({"memory_ratio": round(memory_ratio, 3), "time_ratio": round(time_ratio, 3),
-                      "no_kl_time_ratio": round(no_kl_ratio, 3), "peft_time_ratio": round(peft_ratio, 3), "peft_memory_ratio": round(peft["peak_mb"] / full["peak_mb"], 3),
+                      "no_kl_time_ratio": round(no_kl_ratio, 3), "peft_time_ratio": round(peft_ratio, 3),
+                      "peft_memory_ratio": round(peft["peak_mb"] / full["peak_mb"], 3),
                       "lora_peak_mb": round(lora["peak_mb"]), "full_peak_mb": round(full["peak_mb"]),
                       "lora_step_s": round(lora["step_s"], 3), "full_step_s": round(full["step_s"], 3),
                       "lora_breakdown": lora["breakdown"], "peft_breakdown": peft["breakdown"],

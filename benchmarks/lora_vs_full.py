@@ -5,9 +5,10 @@
 LoRA's reference is the base with the adapter disabled; full-parameter training keeps a frozen
 copy. LoRA runs twice: through our fused LoRA layers (`tinker_pipelines/lora_linear.py`, what the
 learner uses) and through PEFT's own layer forwards (`lora-peft`, what a PEFT user gets). Each
-mode runs in its own process (so peak memory is not shared) on the same datums: a GRPO loss with a k3 KL penalty, one forward/backward and one Adam step, timed after a warm-up
-step, and split into the reference forward, the policy forward, the backward and the optimizer
-step (the two forwards timed again on their own). Peak memory is the process's peak resident
+mode runs in its own process (so peak memory is not shared) on the same datums: a GRPO loss
+with a k3 KL penalty, one forward/backward and one Adam step, timed after a warm-up step, and
+split into the reference forward, the policy forward, the backward and the optimizer step (the
+two forwards timed again on their own). Peak memory is the process's peak resident
 set size from after the model has loaded (weights included) to the end of the steps. The last
 line is one JSON object.
 """

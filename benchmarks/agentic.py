@@ -44,7 +44,7 @@ from tinker_pipelines.algorithms import LossConfig, get_algorithm
 from tinker_pipelines.checkpoint import seed_everything
 from tinker_pipelines.datums import rl_datums, sft_datum
 from tinker_pipelines.envs.tool_env import MultiplyEnv
-from tinker_pipelines.envs.two_agent import RaceEnv, RaceGame
+from tinker_pipelines.envs.two_agent import SCRIPTED_PLAYERS, RaceEnv, RaceGame
 from tinker_pipelines.learner import Learner, LearnerConfig
 from tinker_pipelines.models import encode_chat, load_model, stop_token_ids
 from tinker_pipelines.multiagent import MultiAgentConfig, MultiAgentTrainer
@@ -115,7 +115,7 @@ TOOLS_PRESETS = {
 }
 RACE = {
     "sft": {"steps": 80, "batch_size": 32, "learning_rate": 3e-3, "examples": 3000, "illegal_fraction": 0.1,
-            "read_fraction": 0.0},
+            "read_fraction": 0.0, "player": "random"},
     # One token per move: digits are single tokens, the chat template closes the turn. With room
     # for more, one large GRPO step once pushed an agent off the end-of-turn token ('333',
     # '223': KL 4.7 to the base in one step) and it lost nearly every game.
@@ -273,7 +273,7 @@ def run_race(seed: int) -> dict:
     model, tok = load_model("tiny", seed=seed)
     s, r = RACE["sft"], RACE["rl"]
     sft(model, tok, RaceEnv.sft_examples(s["examples"], seed=seed, illegal_fraction=s["illegal_fraction"],
-                                         read_fraction=s["read_fraction"]),
+                                         read_fraction=s["read_fraction"], player=s["player"]),
         s["steps"], s["batch_size"],
         s["learning_rate"], seed, "race")
     cfg = MultiAgentConfig(seed=seed, learning_rate=r["learning_rate"], groups_per_batch=r["groups_per_batch"],
@@ -323,8 +323,10 @@ def main() -> None:
     parser.add_argument("--race-sft-steps", type=int, default=RACE["sft"]["steps"])
     parser.add_argument("--race-sft-read", type=float, default=RACE["sft"]["read_fraction"],
                         help='share of warm-start examples that ask "What is the total?" (reading the position)')
+    parser.add_argument("--race-sft-player", default=RACE["sft"]["player"], choices=sorted(SCRIPTED_PLAYERS),
+                        help="scripted player whose moves the warm start imitates (random: the format only)")
     args = parser.parse_args()
-    RACE["sft"].update(steps=args.race_sft_steps, read_fraction=args.race_sft_read)
+    RACE["sft"].update(steps=args.race_sft_steps, read_fraction=args.race_sft_read, player=args.race_sft_player)
     pool = tuple(p for p in args.race_pool.split(",") if p)
     RACE["rl"].update(learning_rate=args.race_lr, kl_coef=args.race_kl, scripted_opponents=pool,
                       scripted_groups=args.race_pool_groups if pool else 0, iterations=args.race_iterations)

@@ -250,3 +250,17 @@ def test_documented_example_env(tiny):
     trajs = run_episodes(sampler, tok, [cls() for _ in seeds], seeds, RolloutConfig(max_new_tokens=6, max_turns=2),
                          torch.Generator().manual_seed(0))
     assert all(t.stop_reason == "done" and len(t.turns) == 2 for t in trajs)  # a random model misses twice
+
+
+def test_race_sft_demonstrator_is_any_scripted_player():
+    examples = RaceEnv.sft_examples(400, seed=0, player="greedy")
+    at = {}
+    for m, reply in examples:
+        total = int(m[-1]["content"].split("Total is ")[1].split(".")[0])
+        at.setdefault(total, set()).add(reply)
+    for total in (7, 8, 9):  # greedy wins when it can: the one move to 10
+        assert at[total] == {str(10 - total)}
+    assert at[0] == {"1", "2", "3"}  # and plays at random otherwise
+    assert RaceEnv.sft_examples(30, seed=0) == RaceEnv.sft_examples(30, seed=0, player="random")
+    with pytest.raises(ValueError, match="sft.player must be one of .*got 'perfect'"):
+        RaceEnv.sft_examples(10, player="perfect")

@@ -245,8 +245,11 @@ class RaceEnv(VersusScripted):
 
     @staticmethod
     def sft_examples(n: int, seed: int = 0, illegal_fraction: float = 0.0, read_fraction: float = 0.0,
-                     **game_kwargs: Any) -> list[tuple[list, str]]:
-        """Legal but random moves from both seats' points of view: the format, not the strategy.
+                     player: str = "random", **game_kwargs: Any) -> list[tuple[list, str]]:
+        """Legal moves of the scripted `player` (default: random, the format and not the strategy)
+        from both seats' points of view; `player="greedy"` demonstrates "win when you can" and
+        nothing else (its other moves are random), so the policy reads the total from the start
+        and the rest of the strategy is left to RL.
         With `illegal_fraction`, that share of moves comes after an illegal reply and the game's
         answer to it (the illegal reply is context only, never a target): how to recover.
         With `read_fraction`, that share of the examples asks "What is the total?" after a game
@@ -255,6 +258,9 @@ class RaceEnv(VersusScripted):
         nothing of the strategy."""
         if not 0 <= read_fraction < 1:
             raise ValueError(f"sft.read_fraction must be in [0, 1), got {read_fraction}")
+        if player not in SCRIPTED_PLAYERS:
+            raise ValueError(f"sft.player must be one of {', '.join(SCRIPTED_PLAYERS)}, got {player!r}")
+        demonstrator = SCRIPTED_PLAYERS[player]
         kwargs = {k: v for k, v in game_kwargs.items()
                   if k in ("target", "max_add", "max_start", "balanced", "max_illegal", "illegal_penalty")}
         rng = random.Random(seed)
@@ -275,7 +281,7 @@ class RaceEnv(VersusScripted):
                     views[seat].append({"role": "assistant", "content": wrong})
                     for s, obs in game.step(wrong).observations.items():
                         views[s] += obs
-                move = random_player(game, rng)
+                move = demonstrator(game, rng)
                 out.append((list(views[seat]), move))
                 views[seat].append({"role": "assistant", "content": move})
                 for s, obs in game.step(move).observations.items():

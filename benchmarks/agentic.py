@@ -115,7 +115,7 @@ TOOLS_PRESETS = {
 }
 RACE = {
     "sft": {"steps": 80, "batch_size": 32, "learning_rate": 3e-3, "examples": 3000, "illegal_fraction": 0.1,
-            "read_fraction": 0.0, "player": "random"},
+            "read_fraction": 0.0, "player": "random", "random_fraction": 0.0},
     # One token per move: digits are single tokens, the chat template closes the turn. With room
     # for more, one large GRPO step once pushed an agent off the end-of-turn token ('333',
     # '223': KL 4.7 to the base in one step) and it lost nearly every game.
@@ -273,7 +273,8 @@ def run_race(seed: int) -> dict:
     model, tok = load_model("tiny", seed=seed)
     s, r = RACE["sft"], RACE["rl"]
     sft(model, tok, RaceEnv.sft_examples(s["examples"], seed=seed, illegal_fraction=s["illegal_fraction"],
-                                         read_fraction=s["read_fraction"], player=s["player"]),
+                                         read_fraction=s["read_fraction"], player=s["player"],
+                                         random_fraction=s["random_fraction"]),
         s["steps"], s["batch_size"],
         s["learning_rate"], seed, "race")
     cfg = MultiAgentConfig(seed=seed, learning_rate=r["learning_rate"], groups_per_batch=r["groups_per_batch"],
@@ -325,8 +326,12 @@ def main() -> None:
                         help='share of warm-start examples that ask "What is the total?" (reading the position)')
     parser.add_argument("--race-sft-player", default=RACE["sft"]["player"], choices=sorted(SCRIPTED_PLAYERS),
                         help="scripted player whose moves the warm start imitates (random: the format only)")
+    parser.add_argument("--race-sft-random", type=float, default=RACE["sft"]["random_fraction"],
+                        help="share of the scripted player's warm-start moves replaced by random legal moves")
+    parser.add_argument("--race-sft-examples", type=int, default=RACE["sft"]["examples"])
     args = parser.parse_args()
-    RACE["sft"].update(steps=args.race_sft_steps, read_fraction=args.race_sft_read, player=args.race_sft_player)
+    RACE["sft"].update(steps=args.race_sft_steps, read_fraction=args.race_sft_read, player=args.race_sft_player,
+                       random_fraction=args.race_sft_random, examples=args.race_sft_examples)
     pool = tuple(p for p in args.race_pool.split(",") if p)
     RACE["rl"].update(learning_rate=args.race_lr, kl_coef=args.race_kl, scripted_opponents=pool,
                       scripted_groups=args.race_pool_groups if pool else 0, iterations=args.race_iterations)

@@ -264,3 +264,18 @@ def test_race_sft_demonstrator_is_any_scripted_player():
     assert RaceEnv.sft_examples(30, seed=0) == RaceEnv.sft_examples(30, seed=0, player="random")
     with pytest.raises(ValueError, match="sft.player must be one of .*got 'perfect'"):
         RaceEnv.sft_examples(10, player="perfect")
+
+
+def _moves_at(examples, total):
+    return [reply for m, reply in examples if m[-1]["content"].split("Total is ")[1].startswith(f"{total}.")]
+
+
+def test_race_sft_random_fraction_weakens_the_demonstrator():
+    optimal = _moves_at(RaceEnv.sft_examples(600, seed=0, player="optimal"), 5)
+    assert set(optimal) == {"1"}  # 5 + 1 leaves the opponent 4 short of 10
+    half = _moves_at(RaceEnv.sft_examples(600, seed=0, player="optimal", random_fraction=0.5), 5)
+    assert set(half) == {"1", "2", "3"}
+    share = half.count("1") / len(half)  # 0.5 + 0.5 / 3 in expectation
+    assert 0.5 < share < 0.85, share
+    with pytest.raises(ValueError, match="sft.random_fraction must be in \\[0, 1\\], got 1.5"):
+        RaceEnv.sft_examples(10, random_fraction=1.5)

@@ -245,11 +245,15 @@ class RaceEnv(VersusScripted):
 
     @staticmethod
     def sft_examples(n: int, seed: int = 0, illegal_fraction: float = 0.0, read_fraction: float = 0.0,
-                     player: str = "random", **game_kwargs: Any) -> list[tuple[list, str]]:
+                     player: str = "random", random_fraction: float = 0.0,
+                     **game_kwargs: Any) -> list[tuple[list, str]]:
         """Legal moves of the scripted `player` (default: random, the format and not the strategy)
         from both seats' points of view; `player="greedy"` demonstrates "win when you can" and
         nothing else (its other moves are random), so the policy reads the total from the start
-        and the rest of the strategy is left to RL.
+        and the rest of the strategy is left to RL. With `random_fraction`, that share of the
+        demonstrator's moves is a random legal move instead: a weaker teacher whose imitation still
+        depends on the total (the tiny model learns to read the total from dense targets such as
+        the optimal player's, not from the greedy player's 3 totals in 10) and leaves RL room.
         With `illegal_fraction`, that share of moves comes after an illegal reply and the game's
         answer to it (the illegal reply is context only, never a target): how to recover.
         With `read_fraction`, that share of the examples asks "What is the total?" after a game
@@ -260,6 +264,8 @@ class RaceEnv(VersusScripted):
             raise ValueError(f"sft.read_fraction must be in [0, 1), got {read_fraction}")
         if player not in SCRIPTED_PLAYERS:
             raise ValueError(f"sft.player must be one of {', '.join(SCRIPTED_PLAYERS)}, got {player!r}")
+        if not 0 <= random_fraction <= 1:
+            raise ValueError(f"sft.random_fraction must be in [0, 1], got {random_fraction}")
         demonstrator = SCRIPTED_PLAYERS[player]
         kwargs = {k: v for k, v in game_kwargs.items()
                   if k in ("target", "max_add", "max_start", "balanced", "max_illegal", "illegal_penalty")}
@@ -281,7 +287,7 @@ class RaceEnv(VersusScripted):
                     views[seat].append({"role": "assistant", "content": wrong})
                     for s, obs in game.step(wrong).observations.items():
                         views[s] += obs
-                move = demonstrator(game, rng)
+                move = (random_player if rng.random() < random_fraction else demonstrator)(game, rng)
                 out.append((list(views[seat]), move))
                 views[seat].append({"role": "assistant", "content": move})
                 for s, obs in game.step(move).observations.items():

@@ -280,17 +280,18 @@ def test_invariant_linear_and_attention_do_not_depend_on_the_batch():
     # columns masked off) and with any number of rows: the mixed-adapter decoder relies on it
     for n_out, n_in, rank, adapters in ((576, 576, 8, 4), (3072, 576, 16, 3), (64, 64, 4, 6)):
         w, x = torch.randn(n_out, n_in, generator=g) * 0.05, torch.randn(40, n_in, generator=g)
-        A_RH = torch.randn(rank * adapters, n_in, generator=g) * 0.05
-        B_NR = torch.randn(n_out, rank * adapters, generator=g) * 0.05
+        As = [torch.randn(rank, n_in, generator=g) * 0.05 for _ in range(adapters)]
+        Bs = [torch.randn(n_out, rank, generator=g) * 0.05 for _ in range(adapters)]
+        A_RH, B_NR, parts = torch.cat(As), torch.cat(Bs, dim=1), tuple(zip(As, Bs))
         own = slice(rank, 2 * rank)
-        want = invariant_linear(x[:1], w, lora=(A_RH[own], B_NR[:, own], None))
+        want = invariant_linear(x[:1], w, lora=(As[1], Bs[1], None))  # adapter 1 alone
         for m in (1, 5, 12, 40):
             mask_RB = torch.zeros(rank * adapters, m)
             mask_RB[own, 0] = 1
-            mask_RB[:rank, 1:] = 1  # the other rows belong to another adapter
-            got = invariant_linear(x[:m], w, lora=(A_RH, B_NR, mask_RB))
+            mask_RB[:rank, 1:] = 1  # the other rows belong to adapter 0
+            got = invariant_linear(x[:m], w, lora=(A_RH, B_NR, mask_RB, parts))
             assert torch.equal(got[:1], want)
-            assert torch.allclose(got[1:], F.linear(x[1:m], w + B_NR[:, :rank] @ A_RH[:rank]), atol=1e-5)
+            assert torch.allclose(got[1:], F.linear(x[1:m], w + Bs[0] @ As[0]), atol=1e-5)
     for queries in (1, 7):
         q = torch.randn(40, 3, queries, 64, generator=g)
         k, v = torch.randn(40, 3, 57, 64, generator=g), torch.randn(40, 3, 57, 64, generator=g)
@@ -299,3 +300,34 @@ def test_invariant_linear_and_attention_do_not_depend_on_the_batch():
         want = attention(q[:1], k[:1], v[:1], mask[:1], 0.125, True)
         assert torch.allclose(want, attention(q[:1], k[:1], v[:1], mask[:1], 0.125, False), atol=1e-6)
         assert all(torch.equal(attention(q[:b], k[:b], v[:b], mask[:b], 0.125, True)[:1], want) for b in (2, 9, 40))
+
+
+def test_fast_linears_fall_back_where_this_cpu_sums_otherwise(monkeypatch):
+    """The fast forms are used only for shapes whose first call gave the reference floats: a fast
+    form that sums in another order (as MKL does on some CPUs at some row counts) is never
+    returned, on its first call or later."""
+    import tinker_pipelines.rollout.linears as linears
+
+    monkeypatch.setattr(linears, "_VERIFIED", {})
+    real = linears._streamed
+    monkeypatch.setattr(linears, "_streamed", lambda x, w, b: real(x, w, b) * (1 + 1e-6))
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(960, 576, generator=g), torch.randn(16, 576, generator=g)
+    for _ in range(2):
+        assert torch.equal(linears.rows_linear(x, weight), F.linear(x, weight))
+    assert list(linears._VERIFIED.values()) == [False]
+    monkeypatch.setattr(linears, "_streamed", real)  # a form with the same floats is kept
+    monkeypatch.setattr(linears, "_VERIFIED", {})
+    calls = []
+    monkeypatch.setattr(linears, "_streamed", lambda *a: calls.append(1) or real(*a))
+    for _ in range(3):
+        linears.rows_linear(x, weight)
+    assert list(linears._VERIFIED.values()) == [torch.equal(real(x, weight, None), F.linear(x, weight))]
+    assert len(calls) == (3 if linears._VERIFIED and all(linears._VERIFIED.values()) else 1)
+    # the batch-invariant form: a row's floats with 1 or 40 rows around it, fast form or not
+    monkeypatch.setattr(linears, "_VERIFIED", {})
+    monkeypatch.setattr(linears, "_product", lambda *a, per_adapter=False, real=linears._product:
+                        real(*a, per_adapter=per_adapter) * (1 + 1e-6 * (not per_adapter)))
+    want = linears.invariant_linear(x[:1], weight)
+    assert torch.equal(linears.invariant_linear(x[:40], weight)[:1], want)
+    assert torch.equal(linears.invariant_linear(x[:40], weight)[:1], want)

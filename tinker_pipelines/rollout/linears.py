@@ -9,9 +9,16 @@ another order at another row count (on SmolLM2's layers a row's output changes w
 size tried), and neither is the CPU attention kernel once the keys outnumber ~30. A resident
 worker decodes several experiments' rows in one batch whose size depends on who else is
 running; with these forms an experiment samples exactly the tokens and logprobs it samples alone.
-On CPU `W @ x^T` with at least `INVARIANT_ROWS` rows was invariant for every shape and row count
-measured (12 to 4,096 rows, SmolLM2's, the tiny model's and LoRA factors' shapes), so fewer rows
-are padded up to it. Off CPU these are the plain forms (no claim is made there).
+
+Which product MKL runs depends on the CPU (AVX2 or AVX-512 kernels) and the thread count, so no
+fast form is trusted blindly: the first call of each shape computes the fast form beside the
+reference form (`F.linear`; for the invariant forms, the product over fixed chunks of
+`INVARIANT_ROWS` rows) and uses it from then on only if it gave the very same floats; otherwise
+that shape keeps the reference form. On an AVX2 machine the fast forms passed at every shape the
+decoder uses; on an AVX-512 one with 2 threads, `W @ x^T` at 12-48 rows sums in another order than
+`F.linear`, and a row's product changes with the row count at some shapes (576 x 1536 at 64-128
+rows), so there those shapes run the reference forms. Off CPU these are the plain forms (no claim
+is made there).
 """
 
 from __future__ import annotations
@@ -27,6 +34,28 @@ STREAM_ROWS = (12, 128)
 """Row counts at which `rows_linear` streams the weight on CPU (both ends included)."""
 STREAM_MIN_WEIGHT = 1 << 18
 """Smallest weight (entries) worth streaming: smaller ones stay in cache either way."""
+
+
+_VERIFIED: dict[tuple, bool] = {}
+"""Per call shape (and thread count): whether the fast form gave the reference form's floats on
+its first call."""
+
+
+def _key(kind: str, x_MH: torch.Tensor, weight_NH: torch.Tensor, *extra) -> tuple:
+    return (kind, tuple(x_MH.shape), x_MH.stride(), tuple(weight_NH.shape), weight_NH.stride(), x_MH.dtype,
+            torch.get_num_threads(), *extra)
+
+
+def _verified(key: tuple, fast, reference) -> torch.Tensor:
+    """`fast()` where it has given `reference()`'s floats for this `key`, else `reference()`
+    (the first call of a key computes both and remembers whether they were equal)."""
+    ok = _VERIFIED.get(key)
+    if ok:
+        return fast()
+    want = reference()
+    if ok is None:
+        _VERIFIED[key] = torch.equal(fast(), want)
+    return want
 
 
 def _streams(x_MH: torch.Tensor, weight_NH: torch.Tensor) -> bool:
@@ -50,15 +79,18 @@ def rows_linear(x: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor |
     For `x @ W^T` MKL packs the whole weight on every call; for `W @ x^T` it packs the few rows
     and streams the weight as stored. On CPU, for `STREAM_ROWS` rows against a weight of at
     least `STREAM_MIN_WEIGHT` entries, this computes the latter: on SmolLM2's layers (2 threads)
-    1.3-1.6x faster at 12-128 rows, and the same floats (tested bitwise). At 2-11 rows it would
-    be ~2x faster, but there MKL picks a kernel that sums in another order: as accurate, yet
+    1.3-1.6x faster at 12-128 rows on an AVX2 machine, and the same floats there. At 2-11 rows it
+    would be ~2x faster, but there MKL picks a kernel that sums in another order: as accurate, yet
     SmolLM2's logprobs then move ~1.2e-5 from HF's, past the 1e-5 the decoder keeps. At 1 row
-    (a matrix-vector product) and from ~256 rows (training) it gains nothing. Outside
+    (a matrix-vector product) and from ~256 rows (training) it gains nothing. Each shape streams
+    only once its first call gave `F.linear`'s floats (see the module's docstring); outside
     `STREAM_ROWS`, and off CPU, it is `F.linear`."""
     x_MH = x.reshape(-1, x.shape[-1])
     if not _streams(x_MH, weight_NH):
         return F.linear(x, weight_NH, bias_N)
-    return _streamed(x_MH, weight_NH, bias_N).view(*x.shape[:-1], weight_NH.shape[0])
+    y_MN = _verified(_key("stream", x_MH, weight_NH, bias_N is not None),
+                     lambda: _streamed(x_MH, weight_NH, bias_N), lambda: F.linear(x_MH, weight_NH, bias_N))
+    return y_MN.view(*x.shape[:-1], weight_NH.shape[0])
 
 
 def blocked_linear(x_BH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None = None,
@@ -68,8 +100,9 @@ def blocked_linear(x_BH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Te
     call packs the whole 113 MB weight and runs ~1.5x slower than blocks that stay in cache
     (measured on SmolLM2's head at 16 and 64 rows); each block streams its weight rows as
     `rows_linear` does where that applies. Each output is the same dot product over the hidden
-    size either way. With `invariant`, each block is an `invariant_linear`. Elsewhere (a GPU)
-    it is one `F.linear`."""
+    size either way on an AVX2 machine; each shape runs in blocks only once its first call gave
+    one `F.linear`'s floats (see the module's docstring). With `invariant`, each block is an
+    `invariant_linear`. Elsewhere (a GPU) it is one `F.linear`."""
     V = weight_VH.shape[0]
     if invariant and x_BH.device.type == "cpu":
         if V <= 2 * block:
@@ -78,13 +111,19 @@ def blocked_linear(x_BH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Te
                           for s in range(0, V, block)], dim=-1)
     if x_BH.device.type != "cpu" or x_BH.dim() != 2 or V <= 2 * block:
         return rows_linear(x_BH, weight_VH, bias_V)
+    return _verified(_key("blocked", x_BH, weight_VH, block, bias_V is not None),
+                     lambda: _blocks(x_BH, weight_VH, bias_V, block), lambda: F.linear(x_BH, weight_VH, bias_V))
+
+
+def _blocks(x_BH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, block: int) -> torch.Tensor:
+    V = weight_VH.shape[0]
     out_BV = x_BH.new_empty((x_BH.shape[0], V))
     stream = _streams(x_BH, weight_VH[:block])
     for start in range(0, V, block):
         w = weight_VH[start:start + block]
         b = None if bias_V is None else bias_V[start:start + block]
         if stream:
-            out_BV[:, start:start + block] = _streamed(x_BH, w, b)
+            out_BV[:, start:start + block] = rows_linear(x_BH, w, b)
         elif b is None:
             torch.mm(x_BH, w.t(), out=out_BV[:, start:start + block])
         else:
@@ -93,36 +132,81 @@ def blocked_linear(x_BH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Te
 
 
 INVARIANT_ROWS = 12
-"""Fewest rows `invariant_linear` multiplies at once (fewer are padded with zero rows)."""
+"""Rows per product of `invariant_linear`'s reference form (a last chunk is padded with zeros)."""
+
+
+def _product(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor | None, lora,
+             per_adapter: bool = False) -> torch.Tensor:
+    """`(W @ x^T + B @ (mask * (A @ x^T)))` as `[N, M]`; with `per_adapter`, the delta one
+    adapter at a time from its own factors (`lora[3]`), each product of the shape it has when
+    that adapter is alone in the batch (the others add exact zeros to its rows)."""
+    xt_HM = x_MH.t()
+    y_NM = torch.mm(weight_NH, xt_HM) if bias_N is None else torch.addmm(bias_N[:, None], weight_NH, xt_HM)
+    if lora is not None:
+        A_RH, B_NR, mask_RM, parts = lora
+        if not per_adapter or parts is None:
+            parts = ((A_RH, B_NR),)
+        start = 0
+        for A_rH, B_Nr in parts:
+            low_rM = torch.mm(A_rH, xt_HM)
+            if mask_RM is not None:
+                low_rM.mul_(mask_RM[start:start + A_rH.shape[0]])
+            y_NM.addmm_(B_Nr, low_rM)
+            start += A_rH.shape[0]
+    return y_NM
+
+
+def _chunked(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor | None, lora) -> torch.Tensor:
+    """`_product` over chunks of exactly `INVARIANT_ROWS` rows, adapter by adapter: every call has
+    one shape whatever the batch, so a row's floats depend only on the row and its adapter (MKL's
+    result for a row did not depend on its place in the chunk at any shape measured, AVX2 and
+    AVX-512, 1 and 2 threads; tested)."""
+    M, C = x_MH.shape[0], INVARIANT_ROWS
+    pad = -M % C
+    if pad:
+        x_MH = torch.cat([x_MH, x_MH.new_zeros((pad, x_MH.shape[1]))])
+        if lora is not None and lora[2] is not None:
+            lora = (*lora[:2], torch.cat([lora[2], lora[2].new_zeros((lora[2].shape[0], pad))], dim=1), lora[3])
+    parts = [_product(x_MH[s:s + C], weight_NH, bias_N,
+                      None if lora is None else (*lora[:2], None if lora[2] is None else lora[2][:, s:s + C], lora[3]),
+                      per_adapter=True)
+             for s in range(0, M + pad, C)]
+    return torch.cat(parts, dim=1)[:, :M]
 
 
 def invariant_linear(x: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor | None = None,
                      lora: "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None" = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` whose every row is the same floats whatever the batch: on CPU
-    `(W @ x^T)^T` over at least `INVARIANT_ROWS` rows (the product MKL computes in one order for
-    any row count from there; tested). From 12 to 128 rows it is also `F.linear`'s floats.
+    the product over fixed chunks of `INVARIANT_ROWS` rows, or, for a row count at which one call
+    over all rows has given exactly those floats (checked on its first call, see the module's
+    docstring), that one call: MKL runs it faster, and on an AVX2 machine it always matched.
 
-    `lora` = (A [R, H], B [N, R], mask [R, rows of x's first dimension] or None) adds each row's
-    low-rank delta `B @ (mask * (A @ x^T))` to the product before it is transposed back: the
-    side-by-side factors of several adapters, the mask keeping each row's own columns. Masked
-    columns add exact zeros, and the sums run in one order at every row count and number of
-    adapters (tested), so a row's delta does not depend on the batch either. (The decoder is
-    batch-invariant on CPU only; elsewhere the same products run, without a claim.)"""
+    `lora` = (A [R, H], B [N, R], mask [R, rows of x's first dimension] or None, parts) adds each
+    row's low-rank delta `B @ (mask * (A @ x^T))` to the product before it is transposed back: the
+    side-by-side factors of several adapters, the mask keeping each row's own columns, and `parts`
+    each adapter's own (A, B) in column order (None: one adapter). The reference form adds the
+    adapters' deltas one by one from their own factors, so a row's delta is the floats it gets
+    when its adapter is alone in the batch (the masked columns of the others add exact zeros);
+    one product over the side-by-side factors is used where its first call gave the same floats.
+    (The decoder is batch-invariant on CPU only; elsewhere the same products run, without a claim.)"""
     if x.device.type != "cpu" and lora is None:
         return F.linear(x, weight_NH, bias_N)
     x_MH = x.reshape(-1, x.shape[-1])
     M = x_MH.shape[0]
-    if M < INVARIANT_ROWS:
-        x_MH = torch.cat([x_MH, x_MH.new_zeros((INVARIANT_ROWS - M, x_MH.shape[1]))])
-    xt_HM = x_MH.t()
-    y_NM = torch.mm(weight_NH, xt_HM) if bias_N is None else torch.addmm(bias_N[:, None], weight_NH, xt_HM)
     if lora is not None:
-        A_RH, B_NR, mask_RB = lora
-        low_RM = torch.mm(A_RH, xt_HM)
-        if mask_RB is not None:  # x's positions per batch row share the row's mask
-            low_RM[:, :M].view(low_RM.shape[0], mask_RB.shape[1], -1).mul_(mask_RB[:, :, None])
-        y_NM.addmm_(B_NR, low_RM)
-    return y_NM.t()[:M].contiguous().view(*x.shape[:-1], weight_NH.shape[0])
+        lora = (*lora, None) if len(lora) == 3 else tuple(lora)
+        if lora[2] is not None:  # x's positions per batch row share the row's mask
+            mask_RB = lora[2]
+            lora = (*lora[:2], mask_RB[:, :, None].expand(-1, -1, M // mask_RB.shape[1]).reshape(-1, M), lora[3])
+    if x.device.type != "cpu":
+        y_NM = _product(x_MH, weight_NH, bias_N, lora)
+    else:
+        extra = (bias_N is not None, None if lora is None else
+                 (tuple(lora[0].shape), lora[2] is not None, lora[3] and tuple(a.shape[0] for a, _ in lora[3])))
+        y_NM = _verified(_key("invariant", x_MH, weight_NH, *extra),
+                         lambda: _product(x_MH, weight_NH, bias_N, lora),
+                         lambda: _chunked(x_MH, weight_NH, bias_N, lora))
+    return y_NM.t().contiguous().view(*x.shape[:-1], weight_NH.shape[0])
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

@@ -103,7 +103,8 @@ class RowAdapters:
         if not fs:
             return None
         owner_R = torch.cat([torch.full((f[0].shape[0],), k) for k, f in fs])
-        return torch.cat([f[0] for _, f in fs]), torch.cat([f[1] for _, f in fs], dim=1), owner_R
+        return (torch.cat([f[0] for _, f in fs]), torch.cat([f[1] for _, f in fs], dim=1), owner_R,
+                tuple(f for _, f in fs))
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: int) -> None:
         """`y += ` each row's adapter delta of linear group `group` on `x` [B, ..., in] (not invariant)."""
@@ -116,10 +117,10 @@ class RowAdapters:
             low = low * mask_BR.view(x.shape[0], *([1] * (x.dim() - 2)), -1)
         y += F.linear(low, f[1])
 
-    def factors(self, layer: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """(A [R, in], B [out, R], mask [R, B] or None) of linear group `group`, the form
-        `linears.invariant_linear` adds; None when no row's adapter changes this group."""
+    def factors(self, layer: int, group: int):
+        """(A [R, in], B [out, R], mask [R, B] or None, each adapter's own (A, B)) of linear group
+        `group`, the form `linears.invariant_linear` adds; None when no row's adapter changes it."""
         f = self._factors[layer][group]
         if f is None:
             return None
-        return f[0], f[1], self._masks[layer][group]
+        return f[0], f[1], self._masks[layer][group], f[3]

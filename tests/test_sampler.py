@@ -279,13 +279,13 @@ def test_invariant_linear_and_attention_do_not_depend_on_the_batch():
     # a row's base output plus its LoRA delta, with its adapter alone or beside others' (their
     # columns masked off) and with any number of rows: the mixed-adapter decoder relies on it
     for n_out, n_in, rank, adapters in ((576, 576, 8, 4), (3072, 576, 16, 3), (64, 64, 4, 6)):
-        w, x = torch.randn(n_out, n_in, generator=g) * 0.05, torch.randn(40, n_in, generator=g)
+        w, x = torch.randn(n_out, n_in, generator=g) * 0.05, torch.randn(200, n_in, generator=g)
         As = [torch.randn(rank, n_in, generator=g) * 0.05 for _ in range(adapters)]
         Bs = [torch.randn(n_out, rank, generator=g) * 0.05 for _ in range(adapters)]
         A_RH, B_NR, parts = torch.cat(As), torch.cat(Bs, dim=1), tuple(zip(As, Bs))
         own = slice(rank, 2 * rank)
         want = invariant_linear(x[:1], w, lora=(As[1], Bs[1], None))  # adapter 1 alone
-        for m in (1, 5, 12, 40):
+        for m in (1, 5, 12, 40, 200):  # 200: past the decode row counts, padded to a multiple of 64
             mask_RB = torch.zeros(rank * adapters, m)
             mask_RB[own, 0] = 1
             mask_RB[:rank, 1:] = 1  # the other rows belong to adapter 0

@@ -133,6 +133,8 @@ def _blocks(x_BH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | 
 
 INVARIANT_ROWS = 12
 """Rows per product of `invariant_linear`'s reference form (a last chunk is padded with zeros)."""
+PREFILL_ROWS = 64
+"""Past `STREAM_ROWS`, `invariant_linear` pads its rows to a multiple of this (zero rows)."""
 
 
 def _product(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor | None, lora,
@@ -201,11 +203,16 @@ def invariant_linear(x: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Ten
     if x.device.type != "cpu":
         y_NM = _product(x_MH, weight_NH, bias_N, lora)
     else:
+        pad = -M % PREFILL_ROWS if M > STREAM_ROWS[1] else 0
+        if pad:  # prefill row counts rarely repeat: round them so that each shape's check pays off
+            x_MH = torch.cat([x_MH, x_MH.new_zeros((pad, x_MH.shape[1]))])
+            if lora is not None and lora[2] is not None:
+                lora = (*lora[:2], torch.cat([lora[2], lora[2].new_zeros((lora[2].shape[0], pad))], dim=1), lora[3])
         extra = (bias_N is not None, None if lora is None else
                  (tuple(lora[0].shape), lora[2] is not None, lora[3] and tuple(a.shape[0] for a, _ in lora[3])))
         y_NM = _verified(_key("invariant", x_MH, weight_NH, *extra),
                          lambda: _product(x_MH, weight_NH, bias_N, lora),
-                         lambda: _chunked(x_MH, weight_NH, bias_N, lora))
+                         lambda: _chunked(x_MH, weight_NH, bias_N, lora))[:, :M]
     return y_NM.t().contiguous().view(*x.shape[:-1], weight_NH.shape[0])
 
 

@@ -158,6 +158,16 @@ def _product(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor |
     return y_NM
 
 
+def _pad_rows(x_MH: torch.Tensor, lora, pad: int):
+    """`x` with `pad` zero rows appended, and the LoRA mask with as many zero columns."""
+    if not pad:
+        return x_MH, lora
+    x_MH = torch.cat([x_MH, x_MH.new_zeros((pad, x_MH.shape[1]))])
+    if lora is not None and lora[2] is not None:
+        lora = (*lora[:2], torch.cat([lora[2], lora[2].new_zeros((lora[2].shape[0], pad))], dim=1), lora[3])
+    return x_MH, lora
+
+
 def _chunked(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor | None, lora) -> torch.Tensor:
     """`_product` over chunks of exactly `INVARIANT_ROWS` rows, adapter by adapter: every call has
     one shape whatever the batch, so a row's floats depend only on the row and its adapter (MKL's
@@ -165,10 +175,7 @@ def _chunked(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor |
     AVX-512, 1 and 2 threads; tested)."""
     M, C = x_MH.shape[0], INVARIANT_ROWS
     pad = -M % C
-    if pad:
-        x_MH = torch.cat([x_MH, x_MH.new_zeros((pad, x_MH.shape[1]))])
-        if lora is not None and lora[2] is not None:
-            lora = (*lora[:2], torch.cat([lora[2], lora[2].new_zeros((lora[2].shape[0], pad))], dim=1), lora[3])
+    x_MH, lora = _pad_rows(x_MH, lora, pad)
     parts = [_product(x_MH[s:s + C], weight_NH, bias_N,
                       None if lora is None else (*lora[:2], None if lora[2] is None else lora[2][:, s:s + C], lora[3]),
                       per_adapter=True)
@@ -204,10 +211,8 @@ def invariant_linear(x: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Ten
         y_NM = _product(x_MH, weight_NH, bias_N, lora)
     else:
         pad = -M % PREFILL_ROWS if M > STREAM_ROWS[1] else 0
-        if pad:  # prefill row counts rarely repeat: round them so that each shape's check pays off
-            x_MH = torch.cat([x_MH, x_MH.new_zeros((pad, x_MH.shape[1]))])
-            if lora is not None and lora[2] is not None:
-                lora = (*lora[:2], torch.cat([lora[2], lora[2].new_zeros((lora[2].shape[0], pad))], dim=1), lora[3])
+        # prefill row counts rarely repeat: round them so that each shape's check pays off
+        x_MH, lora = _pad_rows(x_MH, lora, pad)
         extra = (bias_N is not None, None if lora is None else
                  (tuple(lora[0].shape), lora[2] is not None, lora[3] and tuple(a.shape[0] for a, _ in lora[3])))
         y_NM = _verified(_key("invariant", x_MH, weight_NH, *extra),

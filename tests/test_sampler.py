@@ -285,7 +285,7 @@ def test_invariant_linear_and_attention_do_not_depend_on_the_batch():
         A_RH, B_NR, parts = torch.cat(As), torch.cat(Bs, dim=1), tuple(zip(As, Bs))
         own = slice(rank, 2 * rank)
         want = invariant_linear(x[:1], w, lora=(As[1], Bs[1], None))  # adapter 1 alone
-        for m in (1, 5, 12, 40, 200):  # 200: past the decode row counts, padded to a multiple of 64
+        for m in (1, 5, 12, 40, 48, 64, 200):  # 200: past the decode row counts, padded to a multiple of 64
             mask_RB = torch.zeros(rank * adapters, m)
             mask_RB[own, 0] = 1
             mask_RB[:rank, 1:] = 1  # the other rows belong to adapter 0
@@ -315,19 +315,38 @@ def test_fast_linears_fall_back_where_this_cpu_sums_otherwise(monkeypatch):
     weight, x = torch.randn(960, 576, generator=g), torch.randn(16, 576, generator=g)
     for _ in range(2):
         assert torch.equal(linears.rows_linear(x, weight), F.linear(x, weight))
-    assert list(linears._VERIFIED.values()) == [False]
+    assert list(linears._VERIFIED.values()) == [-1]
     monkeypatch.setattr(linears, "_streamed", real)  # a form with the same floats is kept
     monkeypatch.setattr(linears, "_VERIFIED", {})
     calls = []
     monkeypatch.setattr(linears, "_streamed", lambda *a: calls.append(1) or real(*a))
     for _ in range(3):
         linears.rows_linear(x, weight)
-    assert list(linears._VERIFIED.values()) == [torch.equal(real(x, weight, None), F.linear(x, weight))]
-    assert len(calls) == (3 if linears._VERIFIED and all(linears._VERIFIED.values()) else 1)
-    # the batch-invariant form: a row's floats with 1 or 40 rows around it, fast form or not
+    assert list(linears._VERIFIED.values()) == [0 if torch.equal(real(x, weight, None), F.linear(x, weight)) else -1]
+    assert len(calls) == 4 if list(linears._VERIFIED.values()) == [0] else len(calls) <= 2  # 1st call: real and probe
+    # the batch-invariant form: a row's floats with 1 or 40 rows around it, whichever fast form
+    # is perturbed: the one-call form (a batched per-chunk form, or the reference, takes over), or all
+    real_product = linears._product
+    g = torch.Generator().manual_seed(1)
+    A, B = torch.randn(8, 576, generator=g) * 0.05, torch.randn(960, 8, generator=g) * 0.05
+    x = torch.randn(48, 576, generator=g)
+    reference = {"per_adapter": True}  # how `_chunked` calls it
+    for perturbed in (lambda kw: not kw.get("per_adapter"), lambda kw: kw != reference):
+        monkeypatch.setattr(linears, "_VERIFIED", {})
+        monkeypatch.setattr(linears, "_product", lambda *a, perturbed=perturbed, **kw:
+                            real_product(*a, **kw) * (1 + 1e-6 * perturbed(kw)))
+        for lora in (None, (A, B, None)):
+            want = linears.invariant_linear(x[:1], weight, lora=lora)
+            for m in (40, 48, 40, 48):  # first calls of each shape, then the kept form
+                assert torch.equal(linears.invariant_linear(x[:m], weight, lora=lora)[:1], want)
+        kept = set(linears._VERIFIED.values())
+        assert 0 not in kept and (kept == {-1} or not perturbed({"per_adapter": True, "chunked_low": True}))
+    # a fresh adapter's B is zero, so on its first call every form of its delta adds exact zeros:
+    # the check must not keep a form that differs once B has trained
     monkeypatch.setattr(linears, "_VERIFIED", {})
-    monkeypatch.setattr(linears, "_product", lambda *a, per_adapter=False, real=linears._product:
-                        real(*a, per_adapter=per_adapter) * (1 + 1e-6 * (not per_adapter)))
-    want = linears.invariant_linear(x[:1], weight)
-    assert torch.equal(linears.invariant_linear(x[:40], weight)[:1], want)
-    assert torch.equal(linears.invariant_linear(x[:40], weight)[:1], want)
+    monkeypatch.setattr(linears, "_product", lambda *a, **kw: real_product(*a, **kw) * (
+        1 + 1e-6 * (kw != reference and a[3] is not None and bool(a[3][1].any()))))
+    linears.invariant_linear(x[:40], weight, lora=(A, torch.zeros_like(B), None))
+    assert set(linears._VERIFIED.values()) == {-1}
+    trained = linears.invariant_linear(x[:40], weight, lora=(A, B, None))
+    assert torch.equal(trained[:1], linears.invariant_linear(x[:1], weight, lora=(A, B, None)))

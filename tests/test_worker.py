@@ -111,6 +111,45 @@ def test_two_experiments_interleaved_equal_their_solo_runs(tmp_path, worker):
                 assert mb[key] == pytest.approx(ms[key], abs=1e-4), key
 
 
+def test_concurrent_experiments_equal_their_solo_runs_exactly(tmp_path, worker):
+    """Three experiments running at once on one batching worker (their samples decoded in mixed
+    batches, their forward_backward calls grouped) end each iteration with exactly the metrics
+    of their solo runs: co-tenants change no float (CPU: batch-invariant decoding, and training
+    passes of one experiment each)."""
+    import threading
+
+    address, _ = worker()
+    cfgs = [_cfg(tmp_path, f"c{s}", seed=s, training={**SMALL["training"], "groups_per_batch": 2 + s})
+            for s in (1, 2, 3)]
+    solo = []
+    for c in cfgs:
+        exp = Experiment(c, worker=str(address), name="solo-" + Path(c.output_dir).name)
+        solo.append([deterministic_metrics(exp.run_iteration(i)) for i in range(2)])
+        exp.worker.close()
+    exps = [Experiment(c, worker=str(address)) for c in cfgs]
+    together: list[list[dict]] = [[] for _ in exps]
+    barrier, errors = threading.Barrier(len(exps)), []
+
+    def run(k):
+        try:
+            barrier.wait()
+            together[k] = [deterministic_metrics(exps[k].run_iteration(i)) for i in range(2)]
+        except BaseException as e:  # re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(exps))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    stats = WorkerClient(str(address)).request("stats")
+    assert len(stats["adapters"]) >= len(exps)
+    for k, (t, s) in enumerate(zip(together, solo)):
+        for i, (a, b) in enumerate(zip(t, s)):
+            assert a == b, (k, i, {m: (a[m], b.get(m)) for m in a if a[m] != b.get(m)})
+
+
 def test_worker_refuses_bad_clients_and_bad_requests(tmp_path, worker):
     address, proc = worker()
     with pytest.raises(Exception):  # wrong key: the HMAC handshake fails

@@ -41,8 +41,10 @@ def _learners(configs, share=None):
     return learners, tok
 
 
-@pytest.mark.parametrize("kl", [0.0, 0.05])
-def test_together_equals_alone(kl):
+@pytest.mark.parametrize("kl,max_rows", [(0.0, 12), (0.05, 12), (0.05, 0)])
+def test_together_equals_alone(kl, max_rows):
+    """Shared passes (`max_rows` 12) give each experiment its solo gradients up to rounding;
+    passes of their own (0, the worker's default) give exactly the solo floats."""
     configs = [LearnerConfig(mode="lora", learning_rate=1e-2, micro_batch_size=5, needs_reference=kl > 0),
                LearnerConfig(mode="lora", learning_rate=1e-2, micro_batch_size=8, lora_rank=4, temperature=0.7),
                LearnerConfig(mode="lora", learning_rate=1e-2, micro_batch_size=64, share_prefix=False)]
@@ -61,10 +63,13 @@ def test_together_equals_alone(kl):
         for p in lr.params:
             p.grad = None
     jobs = forward_backward_together([FBJob(lr, d, grpo.loss, c) for lr, d, c in zip(learners, datums, cfgs)],
-                                     max_rows=12)
+                                     max_rows=max_rows)
     for job, metrics, grads in zip(jobs, alone_metrics, alone_grads):
         assert job.error is None
         assert set(job.totals) == set(metrics)
+        if max_rows == 0:
+            assert job.totals == {**metrics, "trained_tokens": job.totals["trained_tokens"]}
+            assert all(torch.equal(p.grad, g) for p, g in zip(job.learner.params, grads))
         for k in metrics:
             assert job.totals[k] == pytest.approx(metrics[k], abs=1e-5), k
         for p, g in zip(job.learner.params, grads):

@@ -316,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--window-ms", type=float, default=20.0, help="how long a batch waits for other clients")
     w.add_argument("--max-rows", type=int, default=256, help="most sequences in one sample batch")
     w.add_argument("--max-train-rows", type=int, default=0,
-                   help="most sequences in one shared training pass (0: the largest experiment's micro-batch)")
+                   help="most sequences in one training pass shared by several experiments (0: none shared, "
+                        "so each experiment's gradients are exactly its solo run's)")
     w.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank an experiment may use")
     w.add_argument("--exclusive", action="store_true", help="host one experiment, which may train every parameter")
     w.add_argument("--park-ttl-s", type=float, default=600.0,

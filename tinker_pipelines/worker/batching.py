@@ -115,11 +115,14 @@ def _pieces(job: FBJob) -> list[list[Datum]]:
     return [job.datums[i:i + mb] for i in range(0, len(job.datums), mb)]
 
 
-def forward_backward_together(jobs: list[FBJob], max_rows: int = 256) -> list[FBJob]:
-    """Accumulate each job's gradient as `Learner.forward_backward` would, with the jobs' rows
-    sharing base passes of at most `max_rows` rows (at least one micro-batch per pass). Returns
-    the jobs with `totals` (their metrics) or `error` set; a job whose loss is not finite fails
-    alone and keeps no gradient from the call, the others go on."""
+def forward_backward_together(jobs: list[FBJob], max_rows: int = 0) -> list[FBJob]:
+    """Accumulate each job's gradient as `Learner.forward_backward` would. With `max_rows` > 0
+    the jobs' rows share base passes of at most that many rows (at least one micro-batch per
+    pass); with 0 every pass holds one job's micro-batch, the very shape it has alone, so each job
+    gets exactly the floats of its solo call (a shared pass changes the matmuls' shapes, and a
+    row's floats with them: ~1e-5 relative on a gradient). Returns the jobs with `totals` (their
+    metrics) or `error` set; a job whose loss is not finite fails alone and keeps no gradient
+    from the call, the others go on."""
     model = jobs[0].learner.model
     if any(j.learner.model is not model or j.learner.cfg.mode != "lora" for j in jobs):
         raise ValueError("forward_backward_together needs LoRA learners on one shared model")
@@ -128,7 +131,7 @@ def forward_backward_together(jobs: list[FBJob], max_rows: int = 256) -> list[FB
              for pc in [p_list[k]]]
     passes, current = [], []
     for job, chunk in order:
-        if current and sum(len(c) for _, c in current) + len(chunk) > max_rows:
+        if current and (max_rows <= 0 or sum(len(c) for _, c in current) + len(chunk) > max_rows):
             passes.append(current)
             current = []
         current.append((job, chunk))
@@ -136,9 +139,8 @@ def forward_backward_together(jobs: list[FBJob], max_rows: int = 256) -> list[FB
     for job in jobs:
         job.totals = {}
         job.total_w = sum(sum(d.weights) for d in job.datums)
-    lead = jobs[0].learner
     for members in passes:
-        _one_pass(model, lead, [(j, c) for j, c in members if j.error is None])
+        _one_pass(model, [(j, c) for j, c in members if j.error is None])
     for job in jobs:
         if job.error is not None:
             for p in job.learner.params:
@@ -156,9 +158,10 @@ def _row_truncation(cfgs: list, device: torch.device) -> tuple:
     return tuple(torch.tensor(col, device=device)[:, None] for col in zip(*params))
 
 
-def _one_pass(model: torch.nn.Module, lead: Learner, members: list[tuple[FBJob, list[Datum]]]) -> None:
+def _one_pass(model: torch.nn.Module, members: list[tuple[FBJob, list[Datum]]]) -> None:
     if not members:
         return
+    lead = members[0][0].learner  # settings that are per pass: those of its members (all, for prefix sharing)
     datums = [d for _, chunk in members for d in chunk]
     padded = pad_datums(datums, lead.pad_token_id, lead.device)
     bounds, row = [], 0
@@ -170,7 +173,7 @@ def _one_pass(model: torch.nn.Module, lead: Learner, members: list[tuple[FBJob, 
     truncation = _row_truncation([j.learner.cfg for j, c in members for _ in c], lead.device)
     plan: PrefixPlan | None = None
     layouts: dict[int, Segments] = {len(datums): [(s, e, j.learner.adapter_name) for s, e, j in bounds]}
-    if lead.cfg.share_prefix and supports_prefix_sharing(model):
+    if all(j.learner.cfg.share_prefix for j, _ in members) and supports_prefix_sharing(model):
         plan = plan_prefix_sharing(padded.inputs_BT, padded.mask_BT, padded.fields["weights"],
                                    breaks=frozenset(s for s, _, _ in bounds))
         if plan is not None:  # prefix rows are ordered like their runs, so experiments stay contiguous

@@ -54,8 +54,10 @@ class EngineConfig:
     max_rows: int = 256
     """Most sequences in one sample batch (and in one request)."""
     max_train_rows: int = 0
-    """Most sequences in one shared training pass; 0: the largest micro-batch among its experiments,
-    so sharing a pass needs no more activation memory than the largest experiment alone."""
+    """Most sequences in one training pass shared by several experiments; 0: experiments never
+    share a pass, so each one's gradients are exactly those of its solo run (on CPU a shared pass
+    is no faster: its matmuls are compute-bound at one micro-batch already; on a GPU, small
+    micro-batches may gain from sharing)."""
     max_lora_rank: int = 64
     """Largest LoRA rank an adapter may have."""
     exclusive: bool = False
@@ -242,8 +244,7 @@ class Engine:
                 replies[i] = _error(e)
         lora = [(i, j) for i, j in jobs if j.learner.cfg.mode == "lora"]
         if self.cfg.batching and len(lora) > 1:
-            rows = self.cfg.max_train_rows or max(j.learner.cfg.micro_batch_size for _, j in lora)
-            forward_backward_together([j for _, j in lora], rows)
+            forward_backward_together([j for _, j in lora], self.cfg.max_train_rows)
             done = {i for i, _ in lora}
             for i, j in lora:
                 replies[i] = _error(j.error) if j.error is not None else {"metrics": j.totals}

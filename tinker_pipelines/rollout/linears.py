@@ -171,17 +171,23 @@ PREFILL_ROWS = 64
 """Past `STREAM_ROWS`, `invariant_linear` pads its rows to a multiple of this (zero rows)."""
 
 
-def _per_chunk(w_NH: torch.Tensor, x_MH: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
-    """`w @ x^T (+ bias)` as `[N, M]`, computed as one batched product over chunks of
-    `INVARIANT_ROWS` rows of `x` (M a multiple of it): each chunk's product has the reference
-    form's shape, in one call instead of one per chunk."""
-    n, C = x_MH.shape[0] // INVARIANT_ROWS, INVARIANT_ROWS
-    xt_nHC = x_MH.reshape(n, C, -1).transpose(1, 2)
+def _chunks_t(x_MH: torch.Tensor) -> torch.Tensor:
+    """`x`'s rows in chunks of `INVARIANT_ROWS` (zero rows pad the last one), each transposed:
+    `[n, H, INVARIANT_ROWS]`."""
+    x_MH, _ = _pad_rows(x_MH, None, -x_MH.shape[0] % INVARIANT_ROWS)
+    return x_MH.reshape(-1, INVARIANT_ROWS, x_MH.shape[1]).transpose(1, 2)
+
+
+def _per_chunk(w_NH: torch.Tensor, xt_nHC: torch.Tensor, M: int, bias_N: torch.Tensor | None = None) -> torch.Tensor:
+    """`w @ x^T (+ bias)` as `[N, M]` for the first M rows of `x` given as `_chunks_t(x)`: one
+    batched product whose every chunk has the reference form's shape, in one call instead of
+    one per chunk."""
+    n, C = xt_nHC.shape[0], xt_nHC.shape[2]
     if bias_N is None:
         y_nNC = torch.bmm(w_NH.expand(n, -1, -1), xt_nHC)
     else:
         y_nNC = torch.baddbmm(bias_N[None, :, None].expand(n, -1, C), w_NH.expand(n, -1, -1), xt_nHC)
-    return y_nNC.transpose(0, 1).reshape(w_NH.shape[0], -1)
+    return y_nNC.transpose(0, 1).reshape(w_NH.shape[0], -1)[:, :M]
 
 
 def _product(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor | None, lora,
@@ -190,11 +196,12 @@ def _product(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor |
     adapter at a time from its own factors (`lora[3]`), each product of the shape it has when
     that adapter is alone in the batch (the others add exact zeros to its rows). With
     `chunked_low` / `chunked_base`, `A @ x^T` / `W @ x^T` run per chunk of `INVARIANT_ROWS` rows
-    in one batched call (`_per_chunk`; M must be a multiple of it): on an AVX-512 machine
-    `A @ x^T` over all rows changes a row's floats from 48 rows up, and `W @ x^T` at some shapes."""
-    xt_HM = x_MH.t()
+    in one batched call (`_per_chunk`): on an AVX-512 machine `A @ x^T` over all rows changes a
+    row's floats from 48 rows up, and `W @ x^T` at some shapes."""
+    xt_HM, M = x_MH.t(), x_MH.shape[0]
+    xt_nHC = _chunks_t(x_MH) if chunked_low or chunked_base else None  # once for every product
     if chunked_base:
-        y_NM = _per_chunk(weight_NH, x_MH, bias_N)
+        y_NM = _per_chunk(weight_NH, xt_nHC, M, bias_N)
     else:
         y_NM = torch.mm(weight_NH, xt_HM) if bias_N is None else torch.addmm(bias_N[:, None], weight_NH, xt_HM)
     if lora is not None:
@@ -202,8 +209,8 @@ def _product(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor |
         if not per_adapter or parts is None:
             parts = ((A_RH, B_NR),)
         start = 0
-        for A_rH, B_Nr in parts:
-            low_rM = _per_chunk(A_rH, x_MH) if chunked_low else torch.mm(A_rH, xt_HM)
+        for A_rH, B_Nr in parts:  # one call per adapter: batching adapters' (chunk) products together changed floats
+            low_rM = _per_chunk(A_rH, xt_nHC, M) if chunked_low else torch.mm(A_rH, xt_HM)
             if mask_RM is not None:
                 low_rM.mul_(mask_RM[start:start + A_rH.shape[0]])
             y_NM.addmm_(B_Nr, low_rM)
@@ -242,14 +249,10 @@ def _invariant_forms() -> list:
     one call and each adapter's `A @ x^T` per chunk; everything per chunk, in batched calls
     (1.5-2.3x faster than a call per chunk on SmolLM2's layers at 48-128 rows, AVX-512, 2 threads)."""
 
-    def padded(**kw):
-        def form(x_MH, weight_NH, bias_N, lora) -> torch.Tensor:
-            M = x_MH.shape[0]
-            x, lo = _pad_rows(x_MH, lora, -M % INVARIANT_ROWS)
-            return _product(x, weight_NH, bias_N, lo, per_adapter=True, **kw)[:, :M]
-        return form
+    def per_adapter(**kw):
+        return lambda *a: _product(*a, per_adapter=True, **kw)
 
-    return [lambda *a: _product(*a), padded(chunked_low=True), padded(chunked_low=True, chunked_base=True)]
+    return [lambda *a: _product(*a), per_adapter(chunked_low=True), per_adapter(chunked_low=True, chunked_base=True)]
 
 
 _INVARIANT_FORMS = _invariant_forms()

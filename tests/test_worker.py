@@ -90,14 +90,20 @@ def test_ppo_epochs_and_minibatches_give_the_same_metrics_on_a_worker(tmp_path, 
     assert local == remote and local[-1]["optim_steps"] == 4 and local[-1]["clip_fraction"] > 0
 
 
-def test_two_experiments_interleaved_equal_their_solo_runs(tmp_path, worker):
-    address, _ = worker()
-    cfgs = [_cfg(tmp_path, "e1", seed=1), _cfg(tmp_path, "e2", seed=2)]
+def _solo_runs(address, cfgs, iterations=2):
+    """Each config's per-iteration metrics run alone on the worker, one after the other."""
     solo = []
     for c in cfgs:
         exp = Experiment(c, worker=str(address), name="solo-" + Path(c.output_dir).name)
-        solo.append([deterministic_metrics(exp.run_iteration(i)) for i in range(2)])
+        solo.append([deterministic_metrics(exp.run_iteration(i)) for i in range(iterations)])
         exp.worker.close()
+    return solo
+
+
+def test_two_experiments_interleaved_equal_their_solo_runs(tmp_path, worker):
+    address, _ = worker()
+    cfgs = [_cfg(tmp_path, "e1", seed=1), _cfg(tmp_path, "e2", seed=2)]
+    solo = _solo_runs(address, cfgs)
     # interleaved: each experiment on its own connection, iterations alternating
     exps = [Experiment(c, worker=str(address)) for c in cfgs]
     both = [[], []]
@@ -121,11 +127,7 @@ def test_concurrent_experiments_equal_their_solo_runs_exactly(tmp_path, worker):
     address, _ = worker()
     cfgs = [_cfg(tmp_path, f"c{s}", seed=s, training={**SMALL["training"], "groups_per_batch": 2 + s})
             for s in (1, 2, 3)]
-    solo = []
-    for c in cfgs:
-        exp = Experiment(c, worker=str(address), name="solo-" + Path(c.output_dir).name)
-        solo.append([deterministic_metrics(exp.run_iteration(i)) for i in range(2)])
-        exp.worker.close()
+    solo = _solo_runs(address, cfgs)
     exps = [Experiment(c, worker=str(address)) for c in cfgs]
     together: list[list[dict]] = [[] for _ in exps]
     barrier, errors = threading.Barrier(len(exps)), []

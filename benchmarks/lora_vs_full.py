@@ -1,6 +1,6 @@
 """One RL step on SmolLM2-135M, LoRA vs full-parameter, each with the KL reference it needs.
 
-    python -m benchmarks.lora_vs_full [--model smollm2-135m-instruct] [--batch 16] [--tokens 128]
+    python -m benchmarks.lora_vs_full [--model smollm2-135m-instruct] [--batch 8] [--tokens 128] [--epochs 4]
 
 LoRA's reference is the base with the adapter disabled; full-parameter training keeps a frozen
 copy. LoRA runs twice: through our fused LoRA layers (`tinker_pipelines/lora_linear.py`, what the
@@ -9,8 +9,12 @@ mode runs in its own process (so peak memory is not shared) on the same datums: 
 with a k3 KL penalty, one forward/backward and one Adam step, timed after a warm-up step, and
 split into the reference forward, the policy forward, the backward and the optimizer step (the
 two forwards timed again on their own). Peak memory is the process's peak resident
-set size from after the model has loaded (weights included) to the end of the steps. The last
-line is one JSON object.
+set size from after the model has loaded (weights included) to the end of the steps.
+
+Then, in each process, a PPO-style update of `--epochs` passes over the same batch (one step
+each), twice: with the reference logprobs scored once and carried by the datums (what
+`Experiment.score` does when an update has several passes), and recomputed in every pass. The
+last line is one JSON object (`epochs_time_ratio`: LoRA / full over that update).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ def reset_peak() -> None:
         f.write("5")
 
 
-def _one_mode(mode: str, model_name: str, batch: int, tokens: int, steps: int, micro: int, queue: mp.Queue) -> None:
+def _one_mode(mode: str, model_name: str, batch: int, tokens: int, steps: int, micro: int, epochs: int,
+              queue: mp.Queue) -> None:
     import torch
 
     import tinker_pipelines.learner as learner_module
@@ -75,8 +80,28 @@ def _one_mode(mode: str, model_name: str, batch: int, tokens: int, steps: int, m
     peak = status_mb("VmHWM")
     best = min(range(1, steps + 1), key=lambda i: times[i])
     trainable = sum(p.numel() for p in learner.params)
-    queue.put({"mode": mode, "peak_mb": peak, "after_load_mb": after_load, "step_s": times[best],
-               "trainable": trainable, "breakdown": breakdown(learner, datums, micro, *parts[best])})
+    result = {"mode": mode, "peak_mb": peak, "after_load_mb": after_load, "step_s": times[best],
+              "trainable": trainable, "breakdown": breakdown(learner, datums, micro, *parts[best])}
+    if epochs > 1:
+        result["update_s"] = passes(learner, datums, loss_fn, loss_cfg, epochs, scored=True)
+        result["update_uncached_s"] = passes(learner, datums, loss_fn, loss_cfg, epochs, scored=False)
+    queue.put(result)
+
+
+def passes(learner, datums, loss_fn, loss_cfg, epochs: int, scored: bool) -> float:
+    """Seconds for a PPO-style update of `epochs` passes (one step each) over the batch; `scored`:
+    the reference logprobs computed once first and carried by the datums (what `Experiment.score`
+    does when there are several passes), else recomputed in every pass."""
+    from dataclasses import replace
+
+    start = time.perf_counter()
+    if scored:
+        refs = learner.compute_reference_logprobs(datums)
+        datums = [replace(d, reference_logprobs=tuple(r)) for d, r in zip(datums, refs)]
+    for _ in range(epochs):
+        learner.forward_backward(datums, loss_fn, loss_cfg)
+        learner.optim_step()
+    return time.perf_counter() - start
 
 
 def breakdown(learner, datums, micro: int, forward_backward_s: float, optimizer_s: float) -> dict:
@@ -120,10 +145,10 @@ def export_as_directory(model_name: str, out: str) -> None:
         raise RuntimeError(f"exporting {model_name} failed (exit code {proc.exitcode})")
 
 
-def measure(mode: str, model: str, batch: int, tokens: int, steps: int, micro: int) -> dict:
+def measure(mode: str, model: str, batch: int, tokens: int, steps: int, micro: int, epochs: int) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_one_mode, args=(mode, model, batch, tokens, steps, micro, queue))
+    proc = ctx.Process(target=_one_mode, args=(mode, model, batch, tokens, steps, micro, epochs, queue))
     proc.start()
     result = queue.get()
     proc.join()
@@ -136,6 +161,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=4,
+                        help="passes of the PPO-style update also timed (PPO's default 4; 1: skip it)")
     parser.add_argument("--micro-batch", type=int, default=2,
                         help="sequences per forward/backward; gradients accumulate over the batch")
     args = parser.parse_args()
@@ -143,9 +170,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as model_dir:
         export_as_directory(args.model, model_dir)
-        lora = measure("lora", model_dir, args.batch, args.tokens, args.steps, args.micro_batch)
-        peft = measure("lora-peft", model_dir, args.batch, args.tokens, args.steps, args.micro_batch)
-        full = measure("full", model_dir, args.batch, args.tokens, args.steps, args.micro_batch)
+        lora = measure("lora", model_dir, args.batch, args.tokens, args.steps, args.micro_batch, args.epochs)
+        peft = measure("lora-peft", model_dir, args.batch, args.tokens, args.steps, args.micro_batch, args.epochs)
+        full = measure("full", model_dir, args.batch, args.tokens, args.steps, args.micro_batch, args.epochs)
     print(f"{args.model}, one GRPO+KL step, batch {args.batch} x {args.tokens} tokens "
           f"(micro-batches of {args.micro_batch})")
     print(f"{'mode':<10}{'trainable':>14}{'loaded MB':>11}{'peak MB':>10}{'step s':>9}")
@@ -164,6 +191,19 @@ def main() -> None:
     print(f"without a KL reference (the step less its reference forward): LoRA / full time {no_kl_ratio:.2f}x")
     print(f"LoRA / full: memory {memory_ratio:.2f}x (goal <= 0.6), time {time_ratio:.2f}x (goal <= 0.7); "
           f"through PEFT's layers: time {peft_ratio:.2f}x, fused / PEFT {lora['step_s'] / peft['step_s']:.2f}x")
+    update = {}
+    if args.epochs > 1:
+        print(f"\na PPO-style update: {args.epochs} passes over the batch, one step each (s)")
+        print(f"{'mode':<10}{'reference once':>16}{'every pass':>12}")
+        for r in (lora, peft, full):
+            print(f"{r['mode']:<10}{r['update_s']:>16.2f}{r['update_uncached_s']:>12.2f}")
+        update = {"epochs": args.epochs, "epochs_time_ratio": round(lora["update_s"] / full["update_s"], 3),
+                  "epochs_uncached_time_ratio": round(lora["update_uncached_s"] / full["update_uncached_s"], 3),
+                  "lora_update_s": round(lora["update_s"], 3), "full_update_s": round(full["update_s"], 3),
+                  "lora_update_uncached_s": round(lora["update_uncached_s"], 3),
+                  "full_update_uncached_s": round(full["update_uncached_s"], 3)}
+        print(f"LoRA / full over the update: {update['epochs_time_ratio']:.2f}x with the reference scored once, "
+              f"{update['epochs_uncached_time_ratio']:.2f}x recomputing it every pass")
     print(json.dumps({"memory_ratio": round(memory_ratio, 3), "time_ratio": round(time_ratio, 3),
                       "no_kl_time_ratio": round(no_kl_ratio, 3), "peft_time_ratio": round(peft_ratio, 3),
                       "peft_memory_ratio": round(peft["peak_mb"] / full["peak_mb"], 3),
@@ -172,7 +212,7 @@ def main() -> None:
                       "lora_breakdown": lora["breakdown"], "peft_breakdown": peft["breakdown"],
                       "full_breakdown": full["breakdown"],
                       "model": args.model, "batch": args.batch, "tokens": args.tokens,
-                      "micro_batch": args.micro_batch}))
+                      "micro_batch": args.micro_batch, **update}))
 
 
 if __name__ == "__main__":

@@ -369,3 +369,58 @@ def test_dr_grpo_refuses_another_normalization():
         config_from_dict({"algorithm": {"name": "dr_grpo", "normalization": "token"}})
     cfg = config_from_dict({"algorithm": {"name": "dr_grpo"}, "training": {"max_new_tokens": 6, "max_turns": 2}})
     assert cfg.algorithm.normalization is None
+
+
+def test_datums_with_their_reference_logprobs_train_exactly_as_without(tiny):
+    """`compute_reference_logprobs` gives what `forward_backward` computes in its own micro-batches,
+    so datums carrying them leave the loss, the KL and every gradient bit for bit the same."""
+    model, tok = tiny
+    groups = _groups(model, tok)
+    cfg = LearnerConfig(mode="lora", learning_rate=1e-2, micro_batch_size=3, needs_reference=True)
+    grads, metrics = [], []
+    for cached in (False, True):
+        torch.manual_seed(0)  # the adapter's initialization
+        learner = Learner(copy.deepcopy(model), cfg, tok.pad_token_id)
+        with torch.no_grad():  # a trained adapter, so the policy is not the reference
+            for p in learner.params:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+        datums = critic_datums(groups, lambda ds: [[0.0] * len(d.input_tokens) for d in ds], 1.0, 0.95)
+        if cached:
+            refs = learner.compute_reference_logprobs(datums)
+            datums = [replace(d, reference_logprobs=tuple(r)) for d, r in zip(datums, refs)]
+        metrics.append(learner.forward_backward(datums, get_algorithm("grpo").loss, LossConfig(kl_coef=0.1)))
+        grads.append([p.grad.clone() for p in learner.params])
+    assert metrics[0] == metrics[1] and metrics[0]["kl"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    with pytest.raises(ValueError, match="reference_logprobs has length 1"):
+        replace(datums[0], reference_logprobs=(0.0,))
+
+
+def test_several_epochs_run_the_reference_forward_once(tiny, monkeypatch):
+    """PPO's passes reuse the reference logprobs scored once per rollout: the reference forward
+    runs over each datum once, not once per epoch, and the run matches computing it every pass."""
+    model, tok = tiny
+    groups = _groups(model, tok)
+    base = {k: v for k, v in SMALL_PPO.items() if k != "sft"}
+    cfg = config_from_dict({**base, "algorithm": {"name": "ppo", "ppo_epochs": 3, "minibatches": 2, "kl_coef": 0.2}})
+    rows = []
+    original = Learner.reference_logprobs
+
+    def counting(self, padded):
+        rows.append(padded.inputs_BT.shape[0])
+        return original(self, padded)
+
+    monkeypatch.setattr(Learner, "reference_logprobs", counting)
+    exp = Experiment(cfg, copy.deepcopy(model), tok)
+    cached = exp.train_step(groups)
+    n = len(exp.score(groups))
+    assert sum(rows) == 2 * n  # the train step's scoring, then the `score` call above: once each
+    rows.clear()
+    scored = Experiment.score  # the same run with the datums stripped of them: computed every pass
+    monkeypatch.setattr(Experiment, "score", lambda self, g: [replace(d, reference_logprobs=()) for d in scored(self, g)])
+    exp = Experiment(cfg, copy.deepcopy(model), tok)
+    fresh = exp.train_step(groups)
+    assert sum(rows) == n + 3 * n  # scored (then dropped), and again in every pass
+    assert cached["optim_steps"] == fresh["optim_steps"] == 6 and cached["kl"] > 0
+    for k in ("loss", "kl", "clip_fraction", "approx_kl", "grad_norm"):
+        assert cached[k] == pytest.approx(fresh[k], rel=1e-4, abs=1e-6), k

@@ -83,7 +83,7 @@ def test_ppo_epochs_and_minibatches_give_the_same_metrics_on_a_worker(tmp_path, 
     """PPO's update loop (2 epochs x 2 shuffled minibatches, critic values over IPC) only calls
     forward_backward / optim_step, so a worker reproduces the in-process run exactly."""
     address, _ = worker("--no-batching")
-    over = {"algorithm": {"name": "ppo", "ppo_epochs": 2, "minibatches": 2},
+    over = {"algorithm": {"name": "ppo", "ppo_epochs": 2, "minibatches": 2, "kl_coef": 0.05},
             "training": {**SMALL["training"], "iterations": 1}}
     local = [deterministic_metrics(m) for m in train(_cfg(tmp_path, "ppo-local", **over))]
     remote = [deterministic_metrics(m) for m in train(_cfg(tmp_path, "ppo-remote", **over), worker=str(address))]

@@ -1,6 +1,7 @@
 """Several experiments' forward_backward in one base pass: each adapter gets its own gradient."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -41,20 +42,26 @@ def _learners(configs, share=None):
     return learners, tok
 
 
-@pytest.mark.parametrize("kl,max_rows", [(0.0, 12), (0.05, 12), (0.05, 0)])
-def test_together_equals_alone(kl, max_rows):
+@pytest.mark.parametrize("kl,max_rows,cached", [(0.0, 12, False), (0.05, 12, False), (0.05, 0, False),
+                                                (0.05, 12, True), (0.05, 0, True)])
+def test_together_equals_alone(kl, max_rows, cached):
     """Shared passes (`max_rows` 12) give each experiment its solo gradients up to rounding;
-    passes of their own (0, the worker's default) give exactly the solo floats."""
+    passes of their own (0, the worker's default) give exactly the solo floats. `cached`: the
+    first experiment's datums carry their reference logprobs (PPO epochs), the last's do not."""
     configs = [LearnerConfig(mode="lora", learning_rate=1e-2, micro_batch_size=5, needs_reference=kl > 0),
                LearnerConfig(mode="lora", learning_rate=1e-2, micro_batch_size=8, lora_rank=4, temperature=0.7),
-               LearnerConfig(mode="lora", learning_rate=1e-2, micro_batch_size=64, share_prefix=False)]
+               LearnerConfig(mode="lora", learning_rate=1e-2, micro_batch_size=64, share_prefix=False,
+                             needs_reference=cached)]
     learners, tok = _learners(configs)
     grpo = get_algorithm("grpo")
-    cfgs = [LossConfig(kl_coef=kl), LossConfig(normalization="token"), LossConfig()]
+    cfgs = [LossConfig(kl_coef=kl), LossConfig(normalization="token"), LossConfig(kl_coef=0.1 if cached else 0.0)]
     datums = []
     for i, lr in enumerate(learners):
         lr.activate()
         datums.append(_datums(lr.model, tok, seeds=(i + 1, i + 7, i + 9), seed=i))
+    if cached:
+        refs = learners[0].compute_reference_logprobs(datums[0])
+        datums[0] = [replace(d, reference_logprobs=tuple(r)) for d, r in zip(datums[0], refs)]
     # alone, one after the other
     alone_metrics, alone_grads = [], []
     for lr, d, c in zip(learners, datums, cfgs):

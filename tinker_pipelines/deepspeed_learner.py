@@ -87,7 +87,8 @@ def shard_datums(datums: list[Datum], rank: int, world: int, micro_batch_size: i
 
 def _to_device(padded: _Padded, device: torch.device) -> _Padded:
     return _Padded(padded.inputs_BT.to(device), padded.targets_BT.to(device), padded.mask_BT.to(device),
-                   {k: v.to(device) for k, v in padded.fields.items()})
+                   {k: v.to(device) for k, v in padded.fields.items()},
+                   None if padded.reference_BT is None else padded.reference_BT.to(device))
 
 
 def _fingerprint(datums: list[Datum]) -> str:
@@ -170,7 +171,7 @@ class DeepSpeedLearner(Learner):
             padding = not chunk  # this rank's shard is shorter: same collectives, no gradient
             padded = _to_device(pad_datums(chunk or datums[:1], self.pad_token_id), self.device)
             weights_BT = padded.fields["weights"]
-            ref_BT = self.reference_logprobs(padded) if self.cfg.needs_reference else None
+            ref_BT = self.reference_of(padded)
             lp_BT, values_BT = self.engine(padded, values=self.value_head is not None,
                                            share_prefix=self._all_share_prefix(padded))
             batch = loss_batch(padded.fields, ref_BT, values_BT)

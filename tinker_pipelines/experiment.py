@@ -241,13 +241,21 @@ class Experiment:
     def score(self, groups: list[TrajectoryGroup]) -> list[Datum]:
         """Training datums with advantages: the algorithm's group estimator (groups with uniform
         rewards dropped), or for a value-head algorithm (PPO) the critic's values at sampling
-        time and GAE advantages and returns over every episode (`CriticDatum`)."""
+        time and GAE advantages and returns over every episode (`CriticDatum`). When the update
+        passes over the batch more than once (`algorithm.ppo_epochs` > 1) with a KL reference,
+        the datums carry their reference logprobs too, so the reference forward runs once per
+        rollout instead of once per pass."""
         if self.learner is None:
             self.start_rl()
         if self.algorithm.value_head:
             c = self.loss_cfg
-            return critic_datums(groups, self.learner.compute_values, c.gamma, c.gae_lambda, c.whiten_advantages)
-        return rl_datums(groups, self.algorithm.advantages)
+            datums = critic_datums(groups, self.learner.compute_values, c.gamma, c.gae_lambda, c.whiten_advantages)
+        else:
+            datums = rl_datums(groups, self.algorithm.advantages)
+        if datums and self.epochs > 1 and self.learner.cfg.needs_reference:
+            refs = self.learner.compute_reference_logprobs(datums)
+            datums = [dataclasses.replace(d, reference_logprobs=tuple(r)) for d, r in zip(datums, refs)]
+        return datums
 
     def train_step(self, groups: list[TrajectoryGroup], datums: list[Datum] | None = None) -> dict[str, float]:
         """Advantages, then `train_epochs` over all informative episodes: `algorithm.ppo_epochs`

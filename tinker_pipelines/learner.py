@@ -245,6 +245,29 @@ class Learner:
             raise RuntimeError("full-parameter learner was built without a reference (needs_reference=False)")
         return self._forward(self.reference, padded, sampled_support=False)[0]
 
+    def reference_of(self, padded: _Padded) -> torch.Tensor | None:
+        """A training micro-batch's reference logprobs: the datums' own when they carry them
+        (`compute_reference_logprobs` at scoring time), else computed now; None without a KL
+        reference."""
+        if not self.cfg.needs_reference:
+            return None
+        return padded.reference_BT if padded.reference_BT is not None else self.reference_logprobs(padded)
+
+    @torch.no_grad()
+    def compute_reference_logprobs(self, datums: list[Datum]) -> list[list[float]]:
+        """The reference policy's logprob of every target token, per datum (0 before the first
+        weighted position of its micro-batch), in the micro-batches `forward_backward` would use
+        on the same list: attach them to the datums (`Datum.reference_logprobs`) so that several
+        passes over one batch run the reference forward once."""
+        self.activate()
+        out: list[list[float]] = []
+        mb = self.cfg.micro_batch_size
+        for start in range(0, len(datums), mb):
+            chunk = datums[start:start + mb]
+            ref_BT = self.reference_logprobs(pad_datums(chunk, self.pad_token_id, self.device))
+            out += [ref_BT[i, : len(d.input_tokens)].tolist() for i, d in enumerate(chunk)]
+        return out
+
     @torch.no_grad()
     def compute_logprobs(self, datums: list[Datum]) -> list[list[float]]:
         """Current policy's logprob of every target token, per datum."""
@@ -281,7 +304,7 @@ class Learner:
             chunk = datums[start:start + mb]
             padded = pad_datums(chunk, self.pad_token_id, self.device)
             weights_BT = padded.fields["weights"]
-            ref_BT = self.reference_logprobs(padded) if self.cfg.needs_reference else None
+            ref_BT = self.reference_of(padded)
             lp_BT, values_BT = self._forward(self.model, padded, values=self.value_head is not None)
             batch = loss_batch(padded.fields, ref_BT, values_BT)
             loss, metrics = loss_fn(lp_BT, batch, loss_cfg)

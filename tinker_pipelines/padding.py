@@ -18,6 +18,8 @@ class _Padded:
     targets_BT: torch.Tensor
     mask_BT: torch.Tensor
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    reference_BT: torch.Tensor | None = None
+    """The datums' own reference logprobs (`Datum.reference_logprobs`) when every one has them."""
 
 
 def pad_datums(datums: list[Datum], pad_token_id: int, device: torch.device | str = "cpu") -> _Padded:
@@ -29,8 +31,12 @@ def pad_datums(datums: list[Datum], pad_token_id: int, device: torch.device | st
     mask = torch.zeros((B, T), dtype=torch.long)
     fields = {k: torch.zeros((B, T)) for k in ("weights", "behaviour_logprobs", "advantages", "old_values", "returns",
                                                "support_sizes")}  # sizes < 2**24: exact in float32
+    cached = all(d.reference_logprobs for d in datums)
+    reference = torch.zeros((B, T)) if cached else None
     for i, d in enumerate(datums):
         n = len(d.input_tokens)
+        if reference is not None:
+            reference[i, :n] = torch.tensor(d.reference_logprobs)
         inputs[i, :n] = torch.tensor(d.input_tokens)
         targets[i, :n] = torch.tensor(d.target_tokens)
         mask[i, :n] = 1
@@ -40,7 +46,8 @@ def pad_datums(datums: list[Datum], pad_token_id: int, device: torch.device | st
     if torch.device(device).type != "cpu":
         inputs, targets, mask = inputs.to(device), targets.to(device), mask.to(device)
         fields = {k: v.to(device) for k, v in fields.items()}
-    return _Padded(inputs, targets, mask, fields)
+        reference = reference.to(device) if reference is not None else None
+    return _Padded(inputs, targets, mask, fields, reference)
 
 
 def loss_batch(fields: dict[str, torch.Tensor], ref_BT: torch.Tensor | None,

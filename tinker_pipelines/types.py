@@ -116,10 +116,15 @@ class Datum:
     where nothing was recorded); the learner renormalizes over as many of its own most likely
     tokens. Empty: untruncated sampling, or the cut is recomputed from the learner's top-k /
     top-p / min-p."""
+    reference_logprobs: tuple[float, ...] = ()
+    """The reference policy's logprobs of the targets, fixed when the batch was scored (0 before
+    the first weighted position), so that several passes over the batch (PPO epochs) run the
+    reference forward once; empty: the learner computes them in each `forward_backward`."""
 
     def __post_init__(self) -> None:
         T = len(self.input_tokens)
-        for name in ("target_tokens", "weights", "behaviour_logprobs", "advantages", "support_sizes"):
+        optional = ("behaviour_logprobs", "advantages", "support_sizes", "reference_logprobs")
+        for name in ("target_tokens", "weights", *optional):
             n = len(getattr(self, name))
-            if n not in ((0, T) if name in ("behaviour_logprobs", "advantages", "support_sizes") else (T,)):
+            if n not in ((0, T) if name in optional else (T,)):
                 raise ValueError(f"Datum.{name} has length {n}, expected {T}")

@@ -158,6 +158,14 @@ def _row_truncation(cfgs: list, device: torch.device) -> tuple:
     return tuple(torch.tensor(col, device=device)[:, None] for col in zip(*params))
 
 
+def _own_reference(chunk: list[Datum], T: int, device: torch.device) -> torch.Tensor:
+    """The datums' `reference_logprobs` as [len(chunk), T] rows (0 past each datum's end)."""
+    ref_BT = torch.zeros((len(chunk), T))
+    for i, d in enumerate(chunk):
+        ref_BT[i, :len(d.reference_logprobs)] = torch.tensor(d.reference_logprobs)
+    return ref_BT.to(device)
+
+
 def _one_pass(model: torch.nn.Module, members: list[tuple[FBJob, list[Datum]]]) -> None:
     if not members:
         return
@@ -185,7 +193,9 @@ def _one_pass(model: torch.nn.Module, members: list[tuple[FBJob, list[Datum]]]) 
                     segs.append((start, p, owner[start].learner.adapter_name))
                     start = p
             layouts[len(owner)] = segs
-    needs_ref = any(j.learner.cfg.needs_reference for j, _ in members)
+    # a job whose datums carry their reference logprobs (scored for several passes) uses those
+    own_ref = {id(j): all(d.reference_logprobs for d in c) for j, c in members}
+    needs_ref = any(j.learner.cfg.needs_reference and not own_ref[id(j)] for j, _ in members)
     ref_BT = None
     if needs_ref:
         with torch.no_grad(), adapters_disabled(model):
@@ -202,7 +212,11 @@ def _one_pass(model: torch.nn.Module, members: list[tuple[FBJob, list[Datum]]]) 
     total = None
     for s, e, job in bounds:
         f = {k: v[s:e] for k, v in padded.fields.items()}
-        batch = loss_batch(f, ref_BT[s:e] if ref_BT is not None and job.learner.cfg.needs_reference else None,
+        ref_SBT = None
+        if job.learner.cfg.needs_reference:
+            ref_SBT = _own_reference(datums[s:e], padded.inputs_BT.shape[1], lead.device) if own_ref[id(job)] \
+                else ref_BT[s:e]
+        batch = loss_batch(f, ref_SBT,
                            values_BT[s:e] if job.learner.value_head is not None else None)
         loss, metrics = job.loss_fn(lp_BT[s:e], batch, job.loss_cfg)
         if not torch.isfinite(loss):

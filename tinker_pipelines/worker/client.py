@@ -133,6 +133,9 @@ class RemoteLearner:
     def compute_logprobs(self, datums: list[Datum]) -> list[list[float]]:
         return self._call("compute_logprobs", datums=datums)
 
+    def compute_reference_logprobs(self, datums: list[Datum]) -> list[list[float]]:
+        return self._call("compute_reference_logprobs", datums=datums)
+
     def compute_values(self, datums: list[Datum]) -> list[list[float]]:
         return self._call("compute_values", datums=datums)
 

@@ -269,6 +269,8 @@ class Engine:
             return lr.optim_step()
         if op == "compute_logprobs":
             return lr.compute_logprobs(kw["datums"])
+        if op == "compute_reference_logprobs":
+            return lr.compute_reference_logprobs(kw["datums"])
         if op == "compute_values":
             return lr.compute_values(kw["datums"])
         if op == "save_state":

@@ -330,22 +330,24 @@ def test_fast_linears_fall_back_where_this_cpu_sums_otherwise(monkeypatch):
     g = torch.Generator().manual_seed(1)
     A, B = torch.randn(8, 576, generator=g) * 0.05, torch.randn(960, 8, generator=g) * 0.05
     x = torch.randn(48, 576, generator=g)
-    reference = {"per_adapter": True}  # how `_chunked` calls it
-    for perturbed in (lambda kw: not kw.get("per_adapter"), lambda kw: kw != reference):
+    reference = {"per_adapter": True}  # how `_chunked` calls it, on one chunk of rows at a time
+    one_call = lambda a, kw: not kw.get("per_adapter")  # noqa: E731
+    every_fast = lambda a, kw: kw != reference or a[0].shape[0] != linears.INVARIANT_ROWS  # noqa: E731
+    for perturbed in (one_call, every_fast):
         monkeypatch.setattr(linears, "_VERIFIED", {})
         monkeypatch.setattr(linears, "_product", lambda *a, perturbed=perturbed, **kw:
-                            real_product(*a, **kw) * (1 + 1e-6 * perturbed(kw)))
+                            real_product(*a, **kw) * (1 + 1e-6 * perturbed(a, kw)))
         for lora in (None, (A, B, None)):
             want = linears.invariant_linear(x[:1], weight, lora=lora)
             for m in (40, 48, 40, 48):  # first calls of each shape, then the kept form
                 assert torch.equal(linears.invariant_linear(x[:m], weight, lora=lora)[:1], want)
         kept = set(linears._VERIFIED.values())
-        assert 0 not in kept and (kept == {-1} or not perturbed({"per_adapter": True, "chunked_low": True}))
+        assert 0 not in kept and (kept == {-1} or perturbed is one_call)
     # a fresh adapter's B is zero, so on its first call every form of its delta adds exact zeros:
     # the check must not keep a form that differs once B has trained
     monkeypatch.setattr(linears, "_VERIFIED", {})
     monkeypatch.setattr(linears, "_product", lambda *a, **kw: real_product(*a, **kw) * (
-        1 + 1e-6 * (kw != reference and a[3] is not None and bool(a[3][1].any()))))
+        1 + 1e-6 * (every_fast(a, kw) and a[3] is not None and bool(a[3][1].any()))))
     linears.invariant_linear(x[:40], weight, lora=(A, torch.zeros_like(B), None))
     assert set(linears._VERIFIED.values()) == {-1}
     trained = linears.invariant_linear(x[:40], weight, lora=(A, B, None))

@@ -18,7 +18,7 @@ from tinker_pipelines.algorithms.losses import LossBatch, LossConfig
 from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.config import ConfigError, config_from_dict
 from tinker_pipelines.dpo import pair_metrics, preference_pairs, run_dpo
-from tinker_pipelines.learner import pad_datums
+from tinker_pipelines.learner import Learner, pad_datums
 from tinker_pipelines.preferences import PreferencePair, pair_datums, pairs_from_groups
 from tinker_pipelines.tracking import registered_model_name
 from tinker_pipelines.train import Experiment, train
@@ -142,6 +142,27 @@ def test_short_dpo_run_improves_margin_and_accuracy_on_its_pairs(sft_start, mode
     assert after["pairs/dpo_margin"] > 0.05 and after["pairs/dpo_accuracy"] >= 0.7
     assert after["pairs/dpo_loss"] < LOG2 - 0.02
     assert (learner.reference is None) == (mode == "lora")  # LoRA keeps no second copy
+
+
+def test_reference_logprobs_computed_once_train_as_computed_every_step(sft_start, monkeypatch):
+    """With pairs drawn 5 times each, the reference runs once per pair instead of once per draw,
+    and the run matches the one that recomputes it in every step."""
+    cfg, model, tok, pairs = sft_start
+    rows, original = [], Learner.reference_logprobs
+    monkeypatch.setattr(Learner, "reference_logprobs", lambda self, p: rows.append(p.inputs_BT.shape[0]) or original(self, p))
+    runs = {}
+    for precompute in (None, False):
+        rows.clear()
+        exp = Experiment(cfg, model=copy.deepcopy(model), tokenizer=tok)
+        runs[precompute] = run_dpo(exp, pairs, evaluate=False, precompute_reference=precompute)
+        runs[precompute, "rows"] = sum(rows)
+    pair_rows = 2 * len(pairs)  # the final `pairs/dpo_*` metrics run the reference once more
+    assert runs[None, "rows"] == pair_rows + pair_rows
+    assert runs[False, "rows"] == 2 * cfg.dpo.steps * cfg.dpo.batch_size + pair_rows
+    for a, b in zip(runs[None], runs[False]):
+        for k in ("dpo/loss", "dpo/margin", "grad_norm", "pairs/dpo_margin"):
+            if k in b:
+                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
 
 
 def test_lora_reference_is_the_adapter_disabled_base(sft_start):

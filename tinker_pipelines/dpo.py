@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -62,11 +63,14 @@ def pair_metrics(learner: Learner, pairs: list[PreferencePair], beta: float) -> 
 
 
 def run_dpo(exp: Experiment, pairs: list[PreferencePair], on_step: OnMetrics | None = None,
-            evaluate: bool = True) -> list[dict[str, float]]:
+            evaluate: bool = True, precompute_reference: bool | None = None) -> list[dict[str, float]]:
     """`dpo.steps` optimizer steps on random batches of `pairs`; returns per-step metrics.
 
     With `evaluate`, held-out evaluation runs every `eval.every` steps and after the last, as in
     RL; the last entry also carries `pairs/dpo_*`, the policy's DPO metrics on all its training pairs.
+    The reference logprobs of every pair are computed once before the first step when the steps
+    draw a pair more than once on average (`precompute_reference` None), always (True) or never
+    (False): the reference never changes, so each step then runs the policy's forward alone.
     """
     if not pairs:
         raise ValueError("no preference pairs: every sampled task scored its replies alike; raise dpo.group_size, "
@@ -76,6 +80,11 @@ def run_dpo(exp: Experiment, pairs: list[PreferencePair], on_step: OnMetrics | N
     learner = exp.learner or exp.start_rl()
     d, loss_cfg = exp.cfg.dpo, loss_config(exp.cfg)
     datums = pair_datums(pairs)
+    if precompute_reference is None:
+        precompute_reference = d.steps * min(d.batch_size, len(pairs)) > len(pairs)
+    if precompute_reference:
+        refs = learner.compute_reference_logprobs(datums)
+        datums = [replace(x, reference_logprobs=tuple(r)) for x, r in zip(datums, refs)]
     rng = random.Random(derived_seed(exp.cfg.seed, "dpo-batches"))
     history = []
     for step in range(d.steps):

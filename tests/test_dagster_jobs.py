@@ -151,6 +151,28 @@ def test_full_parameter_mode_iteration():
         assert materializations(instance, "eval_report", "fullmode:0")
 
 
+def test_ppo_epochs_with_a_kl_reference_score_it_once_and_match_the_plain_loop(tmp_path):
+    """`scored_trajectories` writes the reference logprobs into `datums.json` (PPO's passes reuse
+    them), and the job's metrics are the plain loop's."""
+    from tinker_pipelines.tracking.store import loads
+
+    cfg = {**NO_SFT, "algorithm": {"name": "ppo", "ppo_epochs": 2, "minibatches": 2, "kl_coef": 0.05},
+           "training": {**NO_SFT["training"], "iterations": 1}, "eval": {"every": 1, "num_tasks": 4}}
+    with dg.instance_for_test() as instance:
+        assert run_iterations(instance, "ppokl", cfg) == [True]
+        md = metadata(materializations(instance, "scored_trajectories", "ppokl:0")[0])
+        datums = loads(Path(str(md["path"]).removeprefix("file://")).read_bytes())
+        assert datums and all(len(d.reference_logprobs) == len(d.input_tokens) for d in datums)
+        assert any(r < 0 for d in datums for r, w in zip(d.reference_logprobs, d.weights) if w)
+        t = tracker()
+        run_id = t.find_run("ppokl")
+        plain = [deterministic_metrics(m) for m in train(config_from_dict({**cfg, "output_dir": str(tmp_path)}))]
+        for k, expected in enumerate(plain):
+            got = {key: dict(t.history(run_id, key)).get(k) for key in expected}
+            assert got == expected, f"iteration {k}"
+        assert plain[-1]["optim_steps"] == 4 and plain[-1]["kl"] != 0
+
+
 def test_embedded_instance_storage(tmp_path):
     """A fresh project home's instance: Dagster's sqlite storages with pooled engines and
     synchronous=NORMAL; an iteration runs on it, and another process (as the daemon or webserver

@@ -92,15 +92,13 @@ def passes(learner, datums, loss_fn, loss_cfg, epochs: int, scored: bool) -> flo
     """Seconds for a PPO-style update of `epochs` passes (one step each) over the batch; `scored`:
     the reference logprobs computed once first and carried by the datums (what `Experiment.score`
     does when there are several passes), else recomputed in every pass."""
-    from dataclasses import replace
+    from tinker_pipelines.datums import with_reference_logprobs
+    from tinker_pipelines.experiment import train_epochs
 
     start = time.perf_counter()
     if scored:
-        refs = learner.compute_reference_logprobs(datums)
-        datums = [replace(d, reference_logprobs=tuple(r)) for d, r in zip(datums, refs)]
-    for _ in range(epochs):
-        learner.forward_backward(datums, loss_fn, loss_cfg)
-        learner.optim_step()
+        datums = with_reference_logprobs(datums, learner.compute_reference_logprobs)
+    train_epochs(learner, datums, loss_fn, loss_cfg, epochs)
     return time.perf_counter() - start
 
 

@@ -11,7 +11,7 @@ from peft import PeftModel
 from tinker_pipelines.algorithms import LossConfig, get_algorithm
 from tinker_pipelines.algorithms.gae import gae, gae_over_weighted
 from tinker_pipelines.config import ConfigError, config_from_dict
-from tinker_pipelines.datums import CriticDatum, critic_datums, trajectory_to_datum
+from tinker_pipelines.datums import CriticDatum, critic_datums, trajectory_to_datum, with_reference_logprobs
 from tinker_pipelines.envs import EnvSpec
 from tinker_pipelines.learner import Learner, LearnerConfig
 from tinker_pipelines.learner_checkpoint import VALUE_HEAD_FILE
@@ -386,8 +386,7 @@ def test_datums_with_their_reference_logprobs_train_exactly_as_without(tiny):
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
         datums = critic_datums(groups, lambda ds: [[0.0] * len(d.input_tokens) for d in ds], 1.0, 0.95)
         if cached:
-            refs = learner.compute_reference_logprobs(datums)
-            datums = [replace(d, reference_logprobs=tuple(r)) for d, r in zip(datums, refs)]
+            datums = with_reference_logprobs(datums, learner.compute_reference_logprobs)
         metrics.append(learner.forward_backward(datums, get_algorithm("grpo").loss, LossConfig(kl_coef=0.1)))
         grads.append([p.grad.clone() for p in learner.params])
     assert metrics[0] == metrics[1] and metrics[0]["kl"] > 0

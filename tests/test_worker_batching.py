@@ -1,13 +1,12 @@
 """Several experiments' forward_backward in one base pass: each adapter gets its own gradient."""
 
 import copy
-from dataclasses import replace
 
 import pytest
 import torch
 
 from tinker_pipelines.algorithms import LossConfig, get_algorithm
-from tinker_pipelines.datums import rl_datums
+from tinker_pipelines.datums import rl_datums, with_reference_logprobs
 from tinker_pipelines.envs import EnvSpec
 from tinker_pipelines.learner import Learner, LearnerConfig
 from tinker_pipelines.models import load_model, stop_token_ids
@@ -60,8 +59,7 @@ def test_together_equals_alone(kl, max_rows, cached):
         lr.activate()
         datums.append(_datums(lr.model, tok, seeds=(i + 1, i + 7, i + 9), seed=i))
     if cached:
-        refs = learners[0].compute_reference_logprobs(datums[0])
-        datums[0] = [replace(d, reference_logprobs=tuple(r)) for d, r in zip(datums[0], refs)]
+        datums[0] = with_reference_logprobs(datums[0], learners[0].compute_reference_logprobs)
     # alone, one after the other
     alone_metrics, alone_grads = [], []
     for lr, d, c in zip(learners, datums, cfgs):

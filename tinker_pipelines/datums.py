@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -69,6 +70,14 @@ class CriticDatum(Datum):
 
 ValuesFn = Callable[[list[Datum]], list[list[float]]]
 """The critic: per-position values of each datum (e.g. `Learner.compute_values`)."""
+
+
+def with_reference_logprobs(datums: list[Datum], reference_fn: ValuesFn) -> list[Datum]:
+    """`datums` carrying the reference policy's logprobs of their targets (`Datum.reference_logprobs`,
+    from `reference_fn`, e.g. `Learner.compute_reference_logprobs`), so that every later pass over
+    them skips the reference forward."""
+    refs = reference_fn(datums)
+    return [dataclasses.replace(d, reference_logprobs=tuple(r)) for d, r in zip(datums, refs)]
 
 
 TERMINATED = "done"

@@ -88,7 +88,7 @@ def shard_datums(datums: list[Datum], rank: int, world: int, micro_batch_size: i
 def _to_device(padded: _Padded, device: torch.device) -> _Padded:
     return _Padded(padded.inputs_BT.to(device), padded.targets_BT.to(device), padded.mask_BT.to(device),
                    {k: v.to(device) for k, v in padded.fields.items()},
-                   None if padded.reference_BT is None else padded.reference_BT.to(device))
+                   None if padded.reference_BT is None else padded.reference_BT.to(device), padded.has_reference)
 
 
 def _fingerprint(datums: list[Datum]) -> str:

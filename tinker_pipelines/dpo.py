@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -19,6 +18,7 @@ import torch
 from tinker_pipelines.algorithms.dpo import dpo_loss
 from tinker_pipelines.algorithms.losses import LossBatch, LossConfig
 from tinker_pipelines.config import Config
+from tinker_pipelines.datums import with_reference_logprobs
 from tinker_pipelines.learner import Learner, pad_datums
 from tinker_pipelines.schedule_rules import eval_due
 from tinker_pipelines.preferences import PreferencePair, generate_pairs, pair_datums, summarize_pairs
@@ -83,8 +83,7 @@ def run_dpo(exp: Experiment, pairs: list[PreferencePair], on_step: OnMetrics | N
     if precompute_reference is None:
         precompute_reference = d.steps * min(d.batch_size, len(pairs)) > len(pairs)
     if precompute_reference:
-        refs = learner.compute_reference_logprobs(datums)
-        datums = [replace(x, reference_logprobs=tuple(r)) for x, r in zip(datums, refs)]
+        datums = with_reference_logprobs(datums, learner.compute_reference_logprobs)
     rng = random.Random(derived_seed(exp.cfg.seed, "dpo-batches"))
     history = []
     for step in range(d.steps):

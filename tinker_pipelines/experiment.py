@@ -23,7 +23,7 @@ from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.bases import SFT_KIND, base_ref, check_same_base
 from tinker_pipelines.checkpoint import atomic_directory, read_record, seed_everything, write_record
 from tinker_pipelines.config import Config, ConfigError, config_to_dict
-from tinker_pipelines.datums import critic_datums, rl_datums, sft_datum
+from tinker_pipelines.datums import critic_datums, rl_datums, sft_datum, with_reference_logprobs
 from tinker_pipelines.learner import Learner, LearnerConfig
 from tinker_pipelines.models import base_identity, load_model, load_tokenizer, stop_token_ids
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes, run_groups
@@ -253,8 +253,7 @@ class Experiment:
         else:
             datums = rl_datums(groups, self.algorithm.advantages)
         if datums and self.epochs > 1 and self.learner.cfg.needs_reference:
-            refs = self.learner.compute_reference_logprobs(datums)
-            datums = [dataclasses.replace(d, reference_logprobs=tuple(r)) for d, r in zip(datums, refs)]
+            datums = with_reference_logprobs(datums, self.learner.compute_reference_logprobs)
         return datums
 
     def train_step(self, groups: list[TrajectoryGroup], datums: list[Datum] | None = None) -> dict[str, float]:

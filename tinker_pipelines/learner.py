@@ -251,7 +251,8 @@ class Learner:
         reference."""
         if not self.cfg.needs_reference:
             return None
-        return padded.reference_BT if padded.reference_BT is not None else self.reference_logprobs(padded)
+        own = padded.own_reference()
+        return own if own is not None else self.reference_logprobs(padded)
 
     @torch.no_grad()
     def compute_reference_logprobs(self, datums: list[Datum]) -> list[list[float]]:

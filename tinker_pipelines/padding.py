@@ -19,7 +19,15 @@ class _Padded:
     mask_BT: torch.Tensor
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     reference_BT: torch.Tensor | None = None
-    """The datums' own reference logprobs (`Datum.reference_logprobs`) when every one has them."""
+    """The datums' own reference logprobs (`Datum.reference_logprobs`), 0 in rows without them;
+    None when no datum has them."""
+    has_reference: tuple[bool, ...] = ()
+    """Per row: whether its datum carries its reference logprobs."""
+
+    def own_reference(self, start: int = 0, end: int | None = None) -> torch.Tensor | None:
+        """Rows [start, end)'s own reference logprobs when every one of them carries them, else None."""
+        rows = self.has_reference[start:end]
+        return self.reference_BT[start:end] if rows and all(rows) else None
 
 
 def pad_datums(datums: list[Datum], pad_token_id: int, device: torch.device | str = "cpu") -> _Padded:
@@ -31,11 +39,11 @@ def pad_datums(datums: list[Datum], pad_token_id: int, device: torch.device | st
     mask = torch.zeros((B, T), dtype=torch.long)
     fields = {k: torch.zeros((B, T)) for k in ("weights", "behaviour_logprobs", "advantages", "old_values", "returns",
                                                "support_sizes")}  # sizes < 2**24: exact in float32
-    cached = all(d.reference_logprobs for d in datums)
-    reference = torch.zeros((B, T)) if cached else None
+    has_reference = tuple(bool(d.reference_logprobs) for d in datums)
+    reference = torch.zeros((B, T)) if any(has_reference) else None
     for i, d in enumerate(datums):
         n = len(d.input_tokens)
-        if reference is not None:
+        if has_reference[i]:
             reference[i, :n] = torch.tensor(d.reference_logprobs)
         inputs[i, :n] = torch.tensor(d.input_tokens)
         targets[i, :n] = torch.tensor(d.target_tokens)
@@ -47,7 +55,7 @@ def pad_datums(datums: list[Datum], pad_token_id: int, device: torch.device | st
         inputs, targets, mask = inputs.to(device), targets.to(device), mask.to(device)
         fields = {k: v.to(device) for k, v in fields.items()}
         reference = reference.to(device) if reference is not None else None
-    return _Padded(inputs, targets, mask, fields, reference)
+    return _Padded(inputs, targets, mask, fields, reference, has_reference)
 
 
 def loss_batch(fields: dict[str, torch.Tensor], ref_BT: torch.Tensor | None,

@@ -158,14 +158,6 @@ def _row_truncation(cfgs: list, device: torch.device) -> tuple:
     return tuple(torch.tensor(col, device=device)[:, None] for col in zip(*params))
 
 
-def _own_reference(chunk: list[Datum], T: int, device: torch.device) -> torch.Tensor:
-    """The datums' `reference_logprobs` as [len(chunk), T] rows (0 past each datum's end)."""
-    ref_BT = torch.zeros((len(chunk), T))
-    for i, d in enumerate(chunk):
-        ref_BT[i, :len(d.reference_logprobs)] = torch.tensor(d.reference_logprobs)
-    return ref_BT.to(device)
-
-
 def _one_pass(model: torch.nn.Module, members: list[tuple[FBJob, list[Datum]]]) -> None:
     if not members:
         return
@@ -194,8 +186,8 @@ def _one_pass(model: torch.nn.Module, members: list[tuple[FBJob, list[Datum]]]) 
                     start = p
             layouts[len(owner)] = segs
     # a job whose datums carry their reference logprobs (scored for several passes) uses those
-    own_ref = {id(j): all(d.reference_logprobs for d in c) for j, c in members}
-    needs_ref = any(j.learner.cfg.needs_reference and not own_ref[id(j)] for j, _ in members)
+    own_refs = [padded.own_reference(s, e) for s, e, _ in bounds]  # a job may hold several spans of a pass
+    needs_ref = any(j.learner.cfg.needs_reference and own is None for (_, _, j), own in zip(bounds, own_refs))
     ref_BT = None
     if needs_ref:
         with torch.no_grad(), adapters_disabled(model):
@@ -210,12 +202,11 @@ def _one_pass(model: torch.nn.Module, members: list[tuple[FBJob, list[Datum]]]) 
         lp_BT, values_BT = lead._forward(model, padded, values=head is not None, temperature=temp_B11,
                                          truncation=truncation, head=head, plan=plan)
     total = None
-    for s, e, job in bounds:
+    for (s, e, job), own in zip(bounds, own_refs):
         f = {k: v[s:e] for k, v in padded.fields.items()}
         ref_SBT = None
         if job.learner.cfg.needs_reference:
-            ref_SBT = _own_reference(datums[s:e], padded.inputs_BT.shape[1], lead.device) if own_ref[id(job)] \
-                else ref_BT[s:e]
+            ref_SBT = own if own is not None else ref_BT[s:e]
         batch = loss_batch(f, ref_SBT,
                            values_BT[s:e] if job.learner.value_head is not None else None)
         loss, metrics = job.loss_fn(lp_BT[s:e], batch, job.loss_cfg)

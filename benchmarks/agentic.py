@@ -31,6 +31,7 @@ Prints a table; the last line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -114,6 +115,7 @@ TOOLS_PRESETS = {
                              eval_tasks=40),
 }
 RACE = {
+    "game": {"exact": False},
     "sft": {"steps": 80, "batch_size": 32, "learning_rate": 3e-3, "examples": 3000, "illegal_fraction": 0.1,
             "read_fraction": 0.0, "player": "random", "random_fraction": 0.0},
     # One token per move: digits are single tokens, the chat template closes the turn. With room
@@ -236,7 +238,7 @@ def move_prob(trainer: MultiAgentTrainer, seat: str, totals: range, best: Callab
     its next-token distribution at the prompt it sees there. Any policy that ignores the total
     scores exactly 1/3 on three totals (its three move probabilities, one per total): above 1/3
     the agent reads the position."""
-    game = RaceGame()
+    game = RaceGame(**RACE["game"])
     system = {"role": "system", "content": game.rules()}
     learner = trainer.learners[seat]
     learner.activate()
@@ -252,16 +254,17 @@ def move_prob(trainer: MultiAgentTrainer, seat: str, totals: range, best: Callab
 
 
 def take_win_prob(trainer: MultiAgentTrainer, seat: str) -> float:
-    """P(move = 10 - total | total 7..9). Under the race's rules (reaching 10 *or beyond* wins)
-    this is blind to a policy that always adds 3, which wins from every one of those totals."""
-    game = RaceGame()
+    """P(move = 10 - total | total 7..9). Under the default rules (reaching 10 *or beyond* wins)
+    a policy that always adds 3 wins from every one of those totals and scores 1/3 here; under
+    `--race-rules exact` (land on 10 exactly) that move is the only one that wins."""
+    game = RaceGame(**RACE["game"])
     return move_prob(trainer, seat, range(game.target - game.max_add, game.target), lambda t: game.target - t)
 
 
 def steer_prob(trainer: MultiAgentTrainer, seat: str) -> float:
     """P(move to 6 | total 3..5): the only winning move there (it leaves the opponent 4 short of
     10, a lost position against perfect play), a different move at each total (3, 2, 1)."""
-    game = RaceGame()
+    game = RaceGame(**RACE["game"])
     safe = game.target - (game.max_add + 1)  # 6
     return move_prob(trainer, seat, range(safe - game.max_add, safe), lambda t: safe - t)
 
@@ -274,14 +277,14 @@ def run_race(seed: int) -> dict:
     s, r = RACE["sft"], RACE["rl"]
     sft(model, tok, RaceEnv.sft_examples(s["examples"], seed=seed, illegal_fraction=s["illegal_fraction"],
                                          read_fraction=s["read_fraction"], player=s["player"],
-                                         random_fraction=s["random_fraction"]),
+                                         random_fraction=s["random_fraction"], **RACE["game"]),
         s["steps"], s["batch_size"],
         s["learning_rate"], seed, "race")
     cfg = MultiAgentConfig(seed=seed, learning_rate=r["learning_rate"], groups_per_batch=r["groups_per_batch"],
                            group_size=r["group_size"], max_new_tokens=r["max_new_tokens"], max_turns=r["max_turns"],
                            kl_coef=r["kl_coef"], scripted_opponents=tuple(r["scripted_opponents"]),
                            scripted_groups=r["scripted_groups"])
-    trainer = MultiAgentTrainer(model, tok, RaceGame, cfg)
+    trainer = MultiAgentTrainer(model, tok, functools.partial(RaceGame, **RACE["game"]), cfg)
     eval_seeds = [10_000_000 + i for i in range(RACE["eval_tasks"])]
 
     take_win: list[dict[str, float]] = []
@@ -290,8 +293,8 @@ def run_race(seed: int) -> dict:
     def win_rates() -> dict[str, float]:
         take_win.append({seat: take_win_prob(trainer, seat) for seat in trainer.seats})
         steer.append({seat: steer_prob(trainer, seat) for seat in trainer.seats})
-        return {seat: trainer.evaluate(seat, lambda: RaceEnv(seat=seat, opponent=RACE["opponent"]), eval_seeds,
-                                       temperature=RACE["eval_temperature"], seed=seed)
+        return {seat: trainer.evaluate(seat, lambda: RaceEnv(seat=seat, opponent=RACE["opponent"], **RACE["game"]),
+                                       eval_seeds, temperature=RACE["eval_temperature"], seed=seed)
                 for seat in trainer.seats}
 
     curve = [(0, win_rates())]
@@ -329,9 +332,13 @@ def main() -> None:
     parser.add_argument("--race-sft-random", type=float, default=RACE["sft"]["random_fraction"],
                         help="share of the scripted player's warm-start moves replaced by random legal moves")
     parser.add_argument("--race-sft-examples", type=int, default=RACE["sft"]["examples"])
+    parser.add_argument("--race-rules", choices=["exact", "reach"],
+                        default="exact" if RACE["game"]["exact"] else "reach",
+                        help="exact: land on 10 exactly (one winning move from 7..9); reach: 10 or more wins")
     args = parser.parse_args()
     RACE["sft"].update(steps=args.race_sft_steps, read_fraction=args.race_sft_read, player=args.race_sft_player,
                        random_fraction=args.race_sft_random, examples=args.race_sft_examples)
+    RACE["game"]["exact"] = args.race_rules == "exact"
     pool = tuple(p for p in args.race_pool.split(",") if p)
     RACE["rl"].update(learning_rate=args.race_lr, kl_coef=args.race_kl, scripted_opponents=pool,
                       scripted_groups=args.race_pool_groups if pool else 0, iterations=args.race_iterations)

@@ -211,6 +211,37 @@ def test_race_illegal_move_then_legal_play_goes_on():
         RaceEnv(illegal_penalty=1.5)
 
 
+def test_race_exact_rules_make_one_move_win_and_moves_past_the_target_illegal():
+    game = RaceGame(exact=True)
+    assert "exactly 10" in game.rules() and "or more" not in game.rules()
+    for total in (7, 8, 9):
+        winners = []
+        for move in (1, 2, 3):
+            game.reset(0)
+            game.total = total
+            step = game.step(str(move))
+            if step.done:
+                winners.append(move)
+            elif move > 10 - total:  # past the target: illegal, the mover pays and moves again
+                assert step.info["illegal"] == "a" and step.rewards == {"a": -0.1, "b": 0.1}
+                assert game.total == total and game.to_move == "a"
+                assert f"from 1 to {10 - total}." in step.observations["a"][0]["content"]
+        assert winners == [10 - total]  # exactly one winning move, the one that lands on 10
+    reach = RaceGame()
+    reach.reset(0)
+    reach.total = 8
+    assert reach.step("3").done  # under the default rules overshooting wins
+    for seed in range(50):  # the scripted players and the warm start's moves stay legal
+        env = RaceEnv(seat="b", opponent="random", exact=True)
+        env.reset(seed)
+        while not (r := env.step(str(env.game.optimal_move()))).done:
+            assert r.reward == 0.0
+        assert not r.info.get("forfeit")
+    for context, move in RaceEnv.sft_examples(200, seed=1, exact=True):
+        total = int(context[-1]["content"].split("Total is ")[1].split(".")[0])
+        assert 1 <= int(move) <= min(3, 10 - total), (context[-1], move)
+
+
 def test_race_read_examples_answer_the_total_and_teach_no_moves():
     examples = RaceEnv.sft_examples(300, seed=0, read_fraction=0.4)
     reads = [(m, reply) for m, reply in examples if m[-1]["content"].endswith("What is the total?")]

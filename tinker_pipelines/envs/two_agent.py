@@ -78,10 +78,13 @@ class RaceGame(TwoAgentGame):
     """
 
     def __init__(self, target: int = 10, max_add: int = 3, max_start: int = 6, balanced: bool = True,
-                 max_illegal: int = 2, illegal_penalty: float = 0.1):
+                 max_illegal: int = 2, illegal_penalty: float = 0.1, exact: bool = False):
         """`max_illegal`: illegal replies a seat may make per game and move again (the next one
         forfeits; 0: the first forfeits); `illegal_penalty`: reward moved from the mover to the
-        other seat for each illegal reply that does not forfeit."""
+        other seat for each illegal reply that does not forfeit. `exact`: the total must land on
+        `target` exactly (a move past it is illegal), so that from `target - max_add` on exactly
+        one move wins; otherwise reaching `target` or beyond wins, and adding `max_add` wins from
+        every one of those totals whatever the total is."""
         if max_add < 1 or target < 2:
             raise ValueError(f"env.kwargs: need max_add >= 1 and target >= 2, got {max_add}, {target}")
         if not 0 <= max_start < target - max_add:
@@ -91,14 +94,22 @@ class RaceGame(TwoAgentGame):
         if not 0 <= illegal_penalty < 1:
             raise ValueError(f"env.kwargs.illegal_penalty must be in [0, 1), got {illegal_penalty}")
         self.target, self.max_add, self.max_start, self.balanced = target, max_add, max_start, balanced
-        self.max_illegal, self.illegal_penalty = max_illegal, illegal_penalty
+        self.max_illegal, self.illegal_penalty, self.exact = max_illegal, illegal_penalty, exact
         self.total: int | None = None
         self.done = True
         self._to_move = "a"
 
     def rules(self) -> str:
+        if self.exact:
+            return (f"Race to {self.target}. Players take turns adding 1 to {self.max_add} to the total, "
+                    f"never past {self.target}. Whoever makes the total exactly {self.target} wins. "
+                    "Reply with one number.")
         return (f"Race to {self.target}. Players take turns adding 1 to {self.max_add} to the total. "
                 f"Whoever makes the total {self.target} or more wins. Reply with one number.")
+
+    def largest_move(self) -> int:
+        """The largest legal move now (`max_add`, or less near the target under `exact`)."""
+        return min(self.max_add, self.target - self.total) if self.exact else self.max_add
 
     def reset(self, seed: int | None = None) -> dict[str, Observation]:
         self._seed = seed if seed is not None else random.randrange(2**31)
@@ -121,7 +132,7 @@ class RaceGame(TwoAgentGame):
     def parse_move(self, action: str) -> int | None:
         """The number played, or None when the reply is not a legal move."""
         m = re.fullmatch(r"\s*(\d{1,3})\s*\.?\s*", action)
-        return int(m.group(1)) if m and 1 <= int(m.group(1)) <= self.max_add else None
+        return int(m.group(1)) if m and 1 <= int(m.group(1)) <= self.largest_move() else None
 
     def step(self, action: str) -> GameStep:
         if self.total is None:
@@ -136,7 +147,8 @@ class RaceGame(TwoAgentGame):
             if self.illegal[mover] > self.max_illegal:  # forfeit
                 self.done = True
                 return GameStep({}, {mover: -1.0, other: 1.0}, True, {"winner": other, "forfeit": True})
-            text = f"Illegal move. Reply with one number from 1 to {self.max_add}. Total is {self.total}. Your move."
+            text = (f"Illegal move. Reply with one number from 1 to {self.largest_move()}. "
+                    f"Total is {self.total}. Your move.")
             p = self.illegal_penalty
             return GameStep({mover: [{"role": "user", "content": text}]}, {mover: -p, other: p}, False,
                             {"illegal": mover})
@@ -157,7 +169,7 @@ class RaceGame(TwoAgentGame):
 
 def random_player(game: RaceGame, rng: random.Random) -> str:
     """A uniformly random legal move."""
-    return str(rng.randint(1, game.max_add))
+    return str(rng.randint(1, game.largest_move()))
 
 
 def greedy_player(game: RaceGame, rng: random.Random) -> str:
@@ -237,10 +249,11 @@ class RaceEnv(VersusScripted):
     """`RaceGame`, one seat against a scripted player ('random', 'greedy' or 'optimal')."""
 
     def __init__(self, seat: str = "a", opponent: str = "greedy", target: int = 10, max_add: int = 3,
-                 max_start: int = 6, balanced: bool = True, max_illegal: int = 2, illegal_penalty: float = 0.1):
+                 max_start: int = 6, balanced: bool = True, max_illegal: int = 2, illegal_penalty: float = 0.1,
+                 exact: bool = False):
         if opponent not in SCRIPTED_PLAYERS:
             raise ValueError(f"env.kwargs.opponent must be one of {', '.join(SCRIPTED_PLAYERS)}, got {opponent!r}")
-        super().__init__(RaceGame(target, max_add, max_start, balanced, max_illegal, illegal_penalty), seat,
+        super().__init__(RaceGame(target, max_add, max_start, balanced, max_illegal, illegal_penalty, exact), seat,
                          SCRIPTED_PLAYERS[opponent])
 
     @staticmethod
@@ -268,7 +281,7 @@ class RaceEnv(VersusScripted):
             raise ValueError(f"sft.random_fraction must be in [0, 1], got {random_fraction}")
         demonstrator = SCRIPTED_PLAYERS[player]
         kwargs = {k: v for k, v in game_kwargs.items()
-                  if k in ("target", "max_add", "max_start", "balanced", "max_illegal", "illegal_penalty")}
+                  if k in ("target", "max_add", "max_start", "balanced", "max_illegal", "illegal_penalty", "exact")}
         rng = random.Random(seed)
         out: list[tuple[list, str]] = []
         rules = {"role": "system", "content": RaceGame(**kwargs).rules()}

@@ -145,8 +145,9 @@ def test_short_dpo_run_improves_margin_and_accuracy_on_its_pairs(sft_start, mode
 
 
 def test_reference_logprobs_computed_once_train_as_computed_every_step(sft_start, monkeypatch):
-    """With pairs drawn 5 times each, the reference runs once per pair instead of once per draw,
-    and the run matches the one that recomputes it in every step."""
+    """With pairs drawn 5 times each, the reference runs once per pair instead of once per draw
+    (and the final `pairs/dpo_*` metrics reuse it), and the run matches the one that recomputes
+    it in every step."""
     cfg, model, tok, pairs = sft_start
     rows, original = [], Learner.reference_logprobs
     monkeypatch.setattr(Learner, "reference_logprobs", lambda self, p: rows.append(p.inputs_BT.shape[0]) or original(self, p))
@@ -156,9 +157,9 @@ def test_reference_logprobs_computed_once_train_as_computed_every_step(sft_start
         exp = Experiment(cfg, model=copy.deepcopy(model), tokenizer=tok)
         runs[precompute] = run_dpo(exp, pairs, evaluate=False, precompute_reference=precompute)
         runs[precompute, "rows"] = sum(rows)
-    pair_rows = 2 * len(pairs)  # the final `pairs/dpo_*` metrics run the reference once more
-    assert runs[None, "rows"] == pair_rows + pair_rows
-    assert runs[False, "rows"] == 2 * cfg.dpo.steps * cfg.dpo.batch_size + pair_rows
+    pair_rows = 2 * len(pairs)
+    assert runs[None, "rows"] == pair_rows
+    assert runs[False, "rows"] == 2 * cfg.dpo.steps * cfg.dpo.batch_size + pair_rows  # + the final metrics
     for a, b in zip(runs[None], runs[False]):
         for k in ("dpo/loss", "dpo/margin", "grad_norm", "pairs/dpo_margin"):
             if k in b:

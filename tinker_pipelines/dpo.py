@@ -21,6 +21,7 @@ from tinker_pipelines.config import Config
 from tinker_pipelines.datums import with_reference_logprobs
 from tinker_pipelines.learner import Learner, pad_datums
 from tinker_pipelines.schedule_rules import eval_due
+from tinker_pipelines.types import Datum
 from tinker_pipelines.preferences import PreferencePair, generate_pairs, pair_datums, summarize_pairs
 from tinker_pipelines.tracking.store import dumps
 from tinker_pipelines.experiment import Experiment, derived_seed
@@ -43,15 +44,19 @@ def preference_pairs(exp: Experiment) -> tuple[list[PreferencePair], int]:
 
 
 @torch.no_grad()
-def pair_metrics(learner: Learner, pairs: list[PreferencePair], beta: float) -> dict[str, float]:
-    """DPO loss, implicit-reward accuracy and margin of the current policy on `pairs` (no gradient)."""
-    datums = pair_datums(pairs)
+def pair_metrics(learner: Learner, pairs: list[PreferencePair], beta: float,
+                 datums: list[Datum] | None = None) -> dict[str, float]:
+    """DPO loss, implicit-reward accuracy and margin of the current policy on `pairs` (no gradient).
+    `datums`: the pairs' datums (`pair_datums(pairs)`) if already built; those that carry their
+    reference logprobs (`run_dpo` computes them once) are not scored by the reference again."""
+    datums = pair_datums(pairs) if datums is None else datums
     totals: dict[str, float] = {}
     mb = learner.cfg.micro_batch_size  # even: `Experiment.start_rl` keeps pairs whole
     for start in range(0, len(datums), mb):
         chunk = datums[start:start + mb]
         padded = pad_datums(chunk, learner.pad_token_id, learner.device)
-        ref_BT = learner.reference_logprobs(padded)
+        own = padded.own_reference()
+        ref_BT = own if own is not None else learner.reference_logprobs(padded)
         learner.activate()
         # The same forward as a training step's, so an untrained policy's margins are exactly 0.
         lp_BT = learner._logprobs(learner.model, padded)
@@ -96,7 +101,7 @@ def run_dpo(exp: Experiment, pairs: list[PreferencePair], on_step: OnMetrics | N
         exp.iteration = step + 1
         last = step + 1 == d.steps
         if last:
-            metrics.update(pair_metrics(learner, pairs, d.beta))
+            metrics.update(pair_metrics(learner, pairs, d.beta, datums))
         if evaluate and eval_due(step, exp.cfg.eval.every, d.steps):
             metrics.update(exp.evaluate())
         history.append(metrics)

@@ -191,13 +191,18 @@ def _per_chunk(w_NH: torch.Tensor, xt_nHC: torch.Tensor, M: int, bias_N: torch.T
 
 
 def _product(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor | None, lora,
-             per_adapter: bool = False, chunked_low: bool = False, chunked_base: bool = False) -> torch.Tensor:
+             per_adapter: bool = False, chunked_low: bool = False, chunked_base: bool = False,
+             stacked_b: bool = False) -> torch.Tensor:
     """`(W @ x^T + B @ (mask * (A @ x^T)))` as `[N, M]`; with `per_adapter`, the delta one
     adapter at a time from its own factors (`lora[3]`), each product of the shape it has when
     that adapter is alone in the batch (the others add exact zeros to its rows). With
     `chunked_low` / `chunked_base`, `A @ x^T` / `W @ x^T` run per chunk of `INVARIANT_ROWS` rows
     in one batched call (`_per_chunk`): on an AVX-512 machine `A @ x^T` over all rows changes a
-    row's floats from 48 rows up, and `W @ x^T` at some shapes."""
+    row's floats from 48 rows up, and `W @ x^T` at some shapes. With `stacked_b` (and
+    `per_adapter`), each adapter's `A @ x^T` is written into one `[R, M]` block and a single
+    product with the side-by-side `B` adds every adapter's delta: each row's other columns are
+    exact zeros, and on SmolLM2's shapes (AVX-512, 2 threads) that product gave the floats of the
+    adapter-by-adapter ones at every row count tried, where stacking `A` did not."""
     xt_HM, M = x_MH.t(), x_MH.shape[0]
     xt_nHC = _chunks_t(x_MH) if chunked_low or chunked_base else None  # once for every product
     if chunked_base:
@@ -208,6 +213,18 @@ def _product(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor |
         A_RH, B_NR, mask_RM, parts = lora
         if not per_adapter or parts is None:
             parts = ((A_RH, B_NR),)
+        elif stacked_b and len(parts) > 1:
+            low_RM, start = x_MH.new_empty((A_RH.shape[0], M)), 0
+            for A_rH, _ in parts:
+                rows = low_RM[start:start + A_rH.shape[0]]
+                if chunked_low:
+                    rows.copy_(_per_chunk(A_rH, xt_nHC, M))
+                else:
+                    torch.mm(A_rH, xt_HM, out=rows)
+                start += A_rH.shape[0]
+            if mask_RM is not None:
+                low_RM.mul_(mask_RM)
+            return y_NM.addmm_(B_NR, low_RM)
         start = 0
         for A_rH, B_Nr in parts:  # one call per adapter: batching adapters' (chunk) products together changed floats
             low_rM = _per_chunk(A_rH, xt_nHC, M) if chunked_low else torch.mm(A_rH, xt_HM)
@@ -246,16 +263,19 @@ def _chunked(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor |
 def _invariant_forms() -> list:
     """The faster forms `invariant_linear` tries against its reference (each a function of
     (x, weight, bias, lora)), fastest first: one call over all rows (stacked factors); the base
-    and each adapter's `A @ x^T` in one call each; the base in one call and each adapter's
-    `A @ x^T` per chunk; everything per chunk, in batched calls (1.5-2.3x faster than a call per
-    chunk on SmolLM2's layers at 48-128 rows, AVX-512, 2 threads). On that machine, at
-    SmolLM2's `o_proj` and `down_proj` with 4 adapters, the second matched up to 32 rows and
-    took 0.43-0.66x the time of the third at 16 rows; from 64 rows only the last matched."""
+    and each adapter's `A @ x^T` in one call each, then one product with the side-by-side `B`
+    (`stacked_b`) or one per adapter; the same with each adapter's `A @ x^T` per chunk; everything
+    per chunk, in batched calls (1.5-2.3x faster than a call per chunk on SmolLM2's layers at
+    48-128 rows, AVX-512, 2 threads). On that machine, at SmolLM2's `o_proj` and `down_proj` with
+    4 adapters, the per-adapter `A @ x^T` forms matched up to 32 rows and took 0.43-0.66x the
+    time of the per-chunk ones at 16 rows, and `stacked_b` took a mixed 16-row decode 0.92x the
+    time of one `B` product per adapter; from 64 rows only the last form matched."""
 
     def per_adapter(**kw):
         return lambda *a: _product(*a, per_adapter=True, **kw)
 
-    return [lambda *a: _product(*a), per_adapter(), per_adapter(chunked_low=True),
+    return [lambda *a: _product(*a), per_adapter(stacked_b=True), per_adapter(),
+            per_adapter(chunked_low=True, stacked_b=True), per_adapter(chunked_low=True),
             per_adapter(chunked_low=True, chunked_base=True)]
 
 

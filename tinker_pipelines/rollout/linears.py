@@ -192,14 +192,15 @@ def _per_chunk(w_NH: torch.Tensor, xt_nHC: torch.Tensor, M: int, bias_N: torch.T
 
 def _product(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor | None, lora,
              per_adapter: bool = False, chunked_low: bool = False, chunked_base: bool = False,
-             stacked_b: bool = False) -> torch.Tensor:
+             stacked_b: bool = False, batched_low: bool = False) -> torch.Tensor:
     """`(W @ x^T + B @ (mask * (A @ x^T)))` as `[N, M]`; with `per_adapter`, the delta one
     adapter at a time from its own factors (`lora[3]`), each product of the shape it has when
     that adapter is alone in the batch (the others add exact zeros to its rows). With
     `chunked_low` / `chunked_base`, `A @ x^T` / `W @ x^T` run per chunk of `INVARIANT_ROWS` rows
     in one batched call (`_per_chunk`): on an AVX-512 machine `A @ x^T` over all rows changes a
     row's floats from 48 rows up, and `W @ x^T` at some shapes. With `stacked_b` (and
-    `per_adapter`), each adapter's `A @ x^T` is written into one `[R, M]` block and a single
+    `per_adapter`), each adapter's `A @ x^T` is written into one `[R, M]` block (with
+    `batched_low`, by one batched product whose every matrix has that adapter's shape) and a single
     product with the side-by-side `B` adds every adapter's delta: each row's other columns are
     exact zeros, and on SmolLM2's shapes (AVX-512, 2 threads) that product gave the floats of the
     adapter-by-adapter ones at every row count tried, where stacking `A` did not."""
@@ -214,6 +215,13 @@ def _product(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor |
         if not per_adapter or parts is None:
             parts = ((A_RH, B_NR),)
         elif stacked_b and len(parts) > 1:
+            n, r = len(parts), parts[0][0].shape[0]
+            if batched_low and not chunked_low and all(a.shape[0] == r for a, _ in parts):
+                # every adapter's `A @ x^T` in one batched call, each of the shape it has alone
+                low_RM = torch.bmm(A_RH.view(n, r, -1), xt_HM.expand(n, -1, -1)).view(n * r, M)
+                if mask_RM is not None:
+                    low_RM.mul_(mask_RM)
+                return y_NM.addmm_(B_NR, low_RM)
             low_RM, start = x_MH.new_empty((A_RH.shape[0], M)), 0
             for A_rH, _ in parts:
                 rows = low_RM[start:start + A_rH.shape[0]]
@@ -263,18 +271,22 @@ def _chunked(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor |
 def _invariant_forms() -> list:
     """The faster forms `invariant_linear` tries against its reference (each a function of
     (x, weight, bias, lora)), fastest first: one call over all rows (stacked factors); the base
-    and each adapter's `A @ x^T` in one call each, then one product with the side-by-side `B`
-    (`stacked_b`) or one per adapter; the same with each adapter's `A @ x^T` per chunk; everything
+    in one call and every adapter's `A @ x^T` in one batched call (`batched_low`, adapters of
+    one rank), then one product with the side-by-side `B`; the same with a call per adapter's
+    `A @ x^T` (`stacked_b`); one `A` and one `B` product per adapter; the same with each
+    adapter's `A @ x^T` per chunk; everything
     per chunk, in batched calls (1.5-2.3x faster than a call per chunk on SmolLM2's layers at
     48-128 rows, AVX-512, 2 threads). On that machine, at SmolLM2's `o_proj` and `down_proj` with
     4 adapters, the per-adapter `A @ x^T` forms matched up to 32 rows and took 0.43-0.66x the
-    time of the per-chunk ones at 16 rows, and `stacked_b` took a mixed 16-row decode 0.92x the
-    time of one `B` product per adapter; from 64 rows only the last form matched."""
+    time of the per-chunk ones at 16 rows; a mixed 16-row decode took 0.92x the time with
+    `stacked_b` than with a `B` product per adapter, and 0.83-0.84x that with `batched_low`
+    (fastest of 6 interleaved calls each, twice); from 64 rows only the last form matched."""
 
     def per_adapter(**kw):
         return lambda *a: _product(*a, per_adapter=True, **kw)
 
-    return [lambda *a: _product(*a), per_adapter(stacked_b=True), per_adapter(),
+    return [lambda *a: _product(*a), per_adapter(stacked_b=True, batched_low=True), per_adapter(stacked_b=True),
+            per_adapter(),
             per_adapter(chunked_low=True, stacked_b=True), per_adapter(chunked_low=True),
             per_adapter(chunked_low=True, chunked_base=True)]
 

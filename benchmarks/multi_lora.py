@@ -5,7 +5,8 @@
 Parts (all on this machine, fp32 CPU unless the model's device says otherwise):
 - sampling: one mixed batch (4 adapters x 4 rows) through the worker's decoder vs one adapter x
   16 rows (its merged-weight decode, what a single experiment gets) vs PEFT's `adapter_names`
-  mixed batch through HF `generate` on the same batch; tokens/s.
+  mixed batch through HF `generate` on the same batch; tokens/s of the fastest of
+  `--sampling-reps` (6) calls each, interleaved.
 - a worker with 1 experiment vs a worker with 4 experiments (different seeds) running their RL
   iterations concurrently (one client thread each): peak RSS of each worker, aggregate tokens/s
   (sampled plus trained), and each experiment's per-iteration metrics against its solo run (with
@@ -113,7 +114,7 @@ def differences(a: list[dict], b: list[dict]) -> list[str]:
     return out
 
 
-def sampling_part(model_name: str, rows: int = 16, tokens: int = 32, reps: int = 3) -> dict:
+def sampling_part(model_name: str, rows: int = 16, tokens: int = 32, reps: int = 6) -> dict:
     from peft import LoraConfig, get_peft_model
 
     from tinker_pipelines.models import encode_chat, load_model
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sampling-reps", type=int, default=6,
+                        help="interleaved timed calls per sampling mode (the fastest counts)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (fp32 either way)")
     parser.add_argument("--max-train-rows", type=int, default=0,
                         help="the batching workers' --max-train-rows (0: experiments never share a training pass)")
@@ -200,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = list(range(1, N_EXP + 1))
     print(f"model {args.model}, {N_EXP} experiments, {args.iterations} iterations each; load avg {os.getloadavg()[0]:.2f}")
 
-    tps = sampling_part(args.model)
+    tps = sampling_part(args.model, reps=args.sampling_reps)
     workers = {}
     try:
         share = ["--max-train-rows", str(args.max_train_rows)]

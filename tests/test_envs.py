@@ -237,6 +237,8 @@ def test_race_exact_rules_make_one_move_win_and_moves_past_the_target_illegal():
         while not (r := env.step(str(env.game.optimal_move()))).done:
             assert r.reward == 0.0
         assert not r.info.get("forfeit")
+    with pytest.raises(ValueError, match="env.kwargs.exact"):
+        RaceEnv(exact="no")
     for context, move in RaceEnv.sft_examples(200, seed=1, exact=True):
         total = int(context[-1]["content"].split("Total is ")[1].split(".")[0])
         assert 1 <= int(move) <= min(3, 10 - total), (context[-1], move)

@@ -93,6 +93,8 @@ class RaceGame(TwoAgentGame):
             raise ValueError(f"env.kwargs.max_illegal must be >= 0, got {max_illegal}")
         if not 0 <= illegal_penalty < 1:
             raise ValueError(f"env.kwargs.illegal_penalty must be in [0, 1), got {illegal_penalty}")
+        if not isinstance(exact, bool):
+            raise ValueError(f"env.kwargs.exact must be true or false, got {exact!r}")
         self.target, self.max_add, self.max_start, self.balanced = target, max_add, max_start, balanced
         self.max_illegal, self.illegal_penalty, self.exact = max_illegal, illegal_penalty, exact
         self.total: int | None = None

@@ -218,7 +218,7 @@ def _product(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor |
             n, r = len(parts), parts[0][0].shape[0]
             if batched_low and not chunked_low and all(a.shape[0] == r for a, _ in parts):
                 # every adapter's `A @ x^T` in one batched call, each of the shape it has alone
-                low_RM = torch.bmm(A_RH.view(n, r, -1), xt_HM.expand(n, -1, -1)).view(n * r, M)
+                low_RM = torch.bmm(A_RH.reshape(n, r, -1), xt_HM.expand(n, -1, -1)).view(n * r, M)
                 if mask_RM is not None:
                     low_RM.mul_(mask_RM)
                 return y_NM.addmm_(B_NR, low_RM)

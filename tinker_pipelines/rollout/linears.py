@@ -215,21 +215,7 @@ def _product(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor |
         if not per_adapter or parts is None:
             parts = ((A_RH, B_NR),)
         elif stacked_b and len(parts) > 1:
-            n, r = len(parts), parts[0][0].shape[0]
-            if batched_low and not chunked_low and all(a.shape[0] == r for a, _ in parts):
-                # every adapter's `A @ x^T` in one batched call, each of the shape it has alone
-                low_RM = torch.bmm(A_RH.reshape(n, r, -1), xt_HM.expand(n, -1, -1)).view(n * r, M)
-                if mask_RM is not None:
-                    low_RM.mul_(mask_RM)
-                return y_NM.addmm_(B_NR, low_RM)
-            low_RM, start = x_MH.new_empty((A_RH.shape[0], M)), 0
-            for A_rH, _ in parts:
-                rows = low_RM[start:start + A_rH.shape[0]]
-                if chunked_low:
-                    rows.copy_(_per_chunk(A_rH, xt_nHC, M))
-                else:
-                    torch.mm(A_rH, xt_HM, out=rows)
-                start += A_rH.shape[0]
+            low_RM = _adapters_low(A_RH, parts, xt_HM, xt_nHC if chunked_low else None, batched_low)
             if mask_RM is not None:
                 low_RM.mul_(mask_RM)
             return y_NM.addmm_(B_NR, low_RM)
@@ -241,6 +227,25 @@ def _product(x_MH: torch.Tensor, weight_NH: torch.Tensor, bias_N: torch.Tensor |
             y_NM.addmm_(B_Nr, low_rM)
             start += A_rH.shape[0]
     return y_NM
+
+
+def _adapters_low(A_RH: torch.Tensor, parts, xt_HM: torch.Tensor, xt_nHC: torch.Tensor | None,
+                  batched: bool) -> torch.Tensor:
+    """Every adapter's `A @ x^T`, stacked as `[R, M]`, each product of the shape it has when that
+    adapter is alone: per chunk when `xt_nHC` is given, else in one batched call (`batched`,
+    adapters of one rank) or one call per adapter."""
+    n, r, M = len(parts), parts[0][0].shape[0], xt_HM.shape[1]
+    if batched and xt_nHC is None and all(a.shape[0] == r for a, _ in parts):
+        return torch.bmm(A_RH.reshape(n, r, -1), xt_HM.expand(n, -1, -1)).view(n * r, M)
+    low_RM, start = xt_HM.new_empty((A_RH.shape[0], M)), 0
+    for A_rH, _ in parts:
+        rows = low_RM[start:start + A_rH.shape[0]]
+        if xt_nHC is not None:
+            rows.copy_(_per_chunk(A_rH, xt_nHC, M))
+        else:
+            torch.mm(A_rH, xt_HM, out=rows)
+        start += A_rH.shape[0]
+    return low_RM
 
 
 def _pad_rows(x_MH: torch.Tensor, lora, pad: int):
@@ -274,9 +279,8 @@ def _invariant_forms() -> list:
     in one call and every adapter's `A @ x^T` in one batched call (`batched_low`, adapters of
     one rank), then one product with the side-by-side `B`; the same with a call per adapter's
     `A @ x^T` (`stacked_b`); one `A` and one `B` product per adapter; the same with each
-    adapter's `A @ x^T` per chunk; everything
-    per chunk, in batched calls (1.5-2.3x faster than a call per chunk on SmolLM2's layers at
-    48-128 rows, AVX-512, 2 threads). On that machine, at SmolLM2's `o_proj` and `down_proj` with
+    adapter's `A @ x^T` per chunk; everything per chunk, in batched calls (1.5-2.3x faster than
+    a call per chunk on SmolLM2's layers at 48-128 rows, AVX-512, 2 threads). On that machine, at SmolLM2's `o_proj` and `down_proj` with
     4 adapters, the per-adapter `A @ x^T` forms matched up to 32 rows and took 0.43-0.66x the
     time of the per-chunk ones at 16 rows; a mixed 16-row decode took 0.92x the time with
     `stacked_b` than with a `B` product per adapter, and 0.83-0.84x that with `batched_low`

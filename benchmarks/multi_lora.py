@@ -57,9 +57,15 @@ def experiment_config(model: str, seed: int, out: Path) -> dict:
             "eval": {"every": 1000, "num_tasks": 1}}
 
 
-def run_experiments(address: str, model: str, seeds: list[int], iterations: int, out: Path) -> tuple[dict, float, float]:
+SPLIT: dict[str, list[float]] = {}
+"""Per run kind, the mean seconds per iteration an experiment spent in rollout and in training."""
+
+
+def run_experiments(address: str, model: str, seeds: list[int], iterations: int, out: Path,
+                    kind: str = "") -> tuple[dict, float, float]:
     """Each seed's experiment on the worker, concurrently; returns (metrics per seed, tokens, wall s)."""
     results: dict[int, list[dict]] = {}
+    timings: list[tuple[float, float]] = []
     errors: list[BaseException] = []
     exps = {s: Experiment(config_from_dict(experiment_config(model, s, out)), worker=address, name=f"exp{s}")
             for s in seeds}
@@ -70,7 +76,9 @@ def run_experiments(address: str, model: str, seeds: list[int], iterations: int,
     def go(seed: int) -> None:
         try:
             barrier.wait()
-            results[seed] = [deterministic_metrics(exps[seed].run_iteration(i)) for i in range(iterations)]
+            ms = [exps[seed].run_iteration(i) for i in range(iterations)]
+            timings.extend((m["time/rollout_s"], m["time/train_s"]) for m in ms)
+            results[seed] = [deterministic_metrics(m) for m in ms]
         except BaseException as e:  # reported below
             errors.append(e)
 
@@ -83,6 +91,8 @@ def run_experiments(address: str, model: str, seeds: list[int], iterations: int,
     wall = time.perf_counter() - start
     if errors:
         raise errors[0]
+    if kind:
+        SPLIT.setdefault(kind, []).extend(timings)
     tokens = sum(m.get("sampled_tokens", 0) + m.get("trained_tokens", 0) for ms in results.values() for m in ms)
     for e in exps.values():
         e.worker.close()
@@ -214,12 +224,12 @@ def main(argv: list[str] | None = None) -> int:
                                                    log=out / f"{kind}.log"))
         solo, solo_tokens, solo_wall = {}, 0.0, 0.0
         for s in seeds:  # each experiment alone on its worker (the previous one's adapter is dropped)
-            r, tokens, wall = run_experiments(workers["solo"][0], args.model, [s], args.iterations, out)
+            r, tokens, wall = run_experiments(workers["solo"][0], args.model, [s], args.iterations, out, "solo")
             solo.update(r)
             solo_tokens, solo_wall = solo_tokens + tokens, solo_wall + wall
         solo_rss = worker_stats(workers["solo"][0])["peak_rss_mb"]
         shared, shared_tokens, shared_wall = run_experiments(workers["shared"][0], args.model, seeds,
-                                                             args.iterations, out)
+                                                             args.iterations, out, "shared")
         shared_rss = worker_stats(workers["shared"][0])["peak_rss_mb"]
         solo_unbatched = {}
         for s in seeds:  # the exact reference: each alone on the batching-off worker
@@ -248,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             ("1 experiment alone: tokens/s (sampled+trained)", f"{solo_tps:.1f}"),
             ("4 experiments at once, batched: tokens/s", f"{shared_tps:.1f}"),
             ("4 experiments at once, unbatched: wall s", f"{unbatched_wall:.1f}"),
+            *((f"{kind}: mean s per iteration in rollout / training",
+               f"{sum(r for r, _ in t) / len(t):.2f} / {sum(x for _, x in t) / len(t):.2f}") for kind, t in SPLIT.items()),
             ("metrics vs solo (batched, 1e-4)", str(identical)), ("metrics vs solo (batched, exact)", str(identical_exact)),
             ("metrics vs solo (unbatched, exact)", str(exact))]
     width = max(len(r[0]) for r in rows)

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tinker_pipelines.algorithms import LossConfig, get_algorithm
-from tinker_pipelines.datums import critic_datums, rl_datums
+from tinker_pipelines.datums import critic_datums, rl_datums, with_reference_logprobs
 from tinker_pipelines.deepspeed_learner import DeepSpeedLearner
 from tinker_pipelines.envs import EnvSpec
 from tinker_pipelines.learner import Learner, LearnerConfig
@@ -144,6 +144,30 @@ def run_case(stage: int, name: str, model0, tok, out_dir: Path) -> dict[str, flo
     return res
 
 
+def run_carried(stage: int, model0, tok) -> dict[str, float]:
+    """GRPO with a KL reference, the datums carrying their reference logprobs (scored once, as
+    `Experiment.score` does for several passes): DeepSpeed's step on them against the plain
+    learner's step that runs its reference forward, and how often DeepSpeed ran its own."""
+    case = CASES["grpo_kl"]
+    algo, loss_cfg = get_algorithm(case["algorithm"]), case["loss"]
+    lcfg = LearnerConfig(mode="full", learning_rate=1e-2, micro_batch_size=3, **case["learner"])
+    plain = Learner(copy.deepcopy(model0), lcfg, tok.pad_token_id, base_name="tiny")
+    datums = rl_datums(_groups(model0, tok), "group_normalized")[:NUM_DATUMS]
+    zero = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}
+    ds = DeepSpeedLearner(copy.deepcopy(model0), lcfg, tok.pad_token_id, base_name="tiny", stage=stage,
+                          zero_overrides=zero)
+    carried = with_reference_logprobs(datums, ds.compute_reference_logprobs)
+    calls = []
+    scored = ds.reference_logprobs
+    ds.reference_logprobs = lambda padded: calls.append(1) or scored(padded)
+    m_plain, m_ds = _step(plain, datums, algo, loss_cfg), _step(ds, carried, algo, loss_cfg)
+    res = {"reference_forwards": float(len(calls)), "grad_norm_rel": _rel(m_ds["grad_norm"], m_plain["grad_norm"]),
+           "metrics_max_err": max(abs(m_ds[k] - m_plain[k]) / (1 + abs(m_plain[k])) for k in m_plain),
+           "all_carried": float(all(len(d.reference_logprobs) == len(d.input_tokens) for d in carried))}
+    res.update(_compare(ds.params, plain.params, plain.optimizer.state_dict(), 1))
+    return res
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     stages = [int(s) for s in sys.argv[2].split(",")] if len(sys.argv) > 2 else [2, 3]
@@ -151,6 +175,8 @@ def main() -> None:
     torch.manual_seed(0)
     model0, tok = load_model("tiny", seed=0)
     results = {f"zero{s}/{c}": run_case(s, c, model0, tok, out.parent / "checkpoints") for s in stages for c in cases}
+    if "grpo_kl" in cases:
+        results.update({f"zero{s}/grpo_kl_carried": run_carried(s, model0, tok) for s in stages})
     if torch.distributed.get_rank() == 0:
         results["world_size"] = torch.distributed.get_world_size()
         out.write_text(json.dumps(results, indent=2, sort_keys=True))

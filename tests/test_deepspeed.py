@@ -89,6 +89,16 @@ def test_checkpoint_loads_without_deepspeed_and_resumes(two_ranks, stage, case):
     assert r["ds_resume_param_max_abs"] == 0.0 and r["ds_resume_metrics_equal"] == 1.0
 
 
+@pytest.mark.parametrize("stage", (2, 3))
+def test_carried_reference_logprobs_skip_the_reference_forward(two_ranks, stage):
+    """Datums scored once for several passes carry their reference logprobs: DeepSpeed's step
+    uses them (no reference forward) and equals the plain learner's step that computes them."""
+    r = two_ranks[f"zero{stage}/grpo_kl_carried"]
+    assert r["all_carried"] == 1.0 and r["reference_forwards"] == 0
+    assert r["metrics_max_err"] <= METRICS_TOL and r["grad_norm_rel"] <= GRAD_NORM_RTOL
+    assert r["param_max_abs_well"] <= PARAM_ATOL and r["well_fraction"] > 0.85
+
+
 def test_one_process_without_torchrun(tmp_path):
     """World size 1: the learner makes its own one-process gloo group."""
     out = tmp_path / "results.json"

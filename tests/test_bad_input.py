@@ -30,6 +30,19 @@ from tinker_pipelines.types import StepResult
     ({"training": {"learning_rte": 1e-3}}, "unknown field training.learning_rte"),
     ({"training": {"iterations": "ten"}}, "training.iterations must be int"),
     ({"algorithm": {"kl_estimator": "k7"}}, "algorithm.kl_estimator"),
+    ({"training": []}, "training must be a mapping, got list"),
+    ({"training": False}, "training must be a mapping, got bool"),
+    ({1: 2, "foo": 3}, "unknown field 1"),
+    ({"model": {"name": "tiny", "kwargs": {"hiden": 3}}}, "model.kwargs.hiden is not an argument of tiny"),
+    ({"model": {"name": "tiny", "kwargs": {"hidden_size": -1}}}, "model.kwargs.hidden_size must be an integer >= 1"),
+    ({"model": {"name": "tiny", "kwargs": {"hidden_size": 130}}}, "model.kwargs.hidden_size must be a multiple of 4"),
+    ({"model": {"name": "smollm2-135m-instruct", "kwargs": {"hidden_size": 64}}}, "takes no builder arguments"),
+    ({"sft": {"batch_size": 0}}, "sft.batch_size must be >= 1"),
+    ({"sft": {"examples": 0}}, "sft.examples must be >= 1"),
+    ({"sft": {"learning_rate": math.inf}}, "sft.learning_rate must be positive"),
+    ({"training": {"temperature": math.inf}}, "training.temperature must be positive"),
+    ({"training": {"lora_alpha": -16}}, "training.lora_alpha must be positive"),
+    ({"output_dir": ""}, "output_dir must be a path (not empty)"),
 ])
 def test_bad_config_names_the_field(patch, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -54,6 +67,17 @@ def test_bad_config_fails_before_any_model_loads(monkeypatch):
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(ConfigError, match="is empty"):
+        load_config(tmp_path / "empty.yaml")
+    (tmp_path / "list.yaml").write_text("[]\n")
+    with pytest.raises(ConfigError, match="config must be a mapping, got list"):
+        load_config(tmp_path / "list.yaml")
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(tmp_path / "bin.yaml")
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
 
 
 class CrashingEnv(Env):
@@ -105,6 +129,26 @@ class StringResetEnv(CrashingEnv):
         return "What is 2 + 2?"
 
 
+class HugeRewardEnv(CrashingEnv):
+    def step(self, action):
+        return StepResult([], 1e308, True)
+
+
+class StringDoneEnv(CrashingEnv):
+    def step(self, action):
+        return StepResult([], 1.0, "yes")
+
+
+class StringInfoEnv(CrashingEnv):
+    def step(self, action):
+        return StepResult([], 1.0, True, "solved")
+
+
+class ExitingEnv(CrashingEnv):
+    def step(self, action):
+        raise SystemExit(3)
+
+
 class CtorCrashEnv(CrashingEnv):
     def __init__(self, level: int = 1):
         self.level = 1 / (level - 1)
@@ -121,6 +165,10 @@ class CtorCrashEnv(CrashingEnv):
     (ResetCrashEnv, "ResetCrashEnv raised in reset(): FileNotFoundError: tasks.jsonl"),
     (StringResetEnv, "StringResetEnv.reset() returned str 'What is 2 + 2?', expected a non-empty list"),
     (CtorCrashEnv, f"CtorCrashEnv ('{__name__}:CtorCrashEnv') raised in its constructor: ZeroDivisionError"),
+    (HugeRewardEnv, "HugeRewardEnv returned reward 1e+308, outside the float32 range"),
+    (StringDoneEnv, "StringDoneEnv.step() returned done='yes' of type str; done must be a bool"),
+    (StringInfoEnv, "StringInfoEnv.step() returned info of type str, not a dict"),
+    (ExitingEnv, "ExitingEnv raised in step(): SystemExit: 3"),
 ], ids=lambda v: v.__name__ if isinstance(v, type) else "message")
 def test_env_failures_are_reported_naming_the_env(_tiny_pristine, env_cls, message):
     model, tok = _tiny_pristine  # sampling only reads the weights: no copy per case

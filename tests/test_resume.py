@@ -147,6 +147,29 @@ def test_fresh_run_refuses_an_old_output_dir_and_overwrite_starts_over(done, tmp
     assert read_record(out / "checkpoints/iter_00000")["iteration"] == 1
 
 
+def test_overwrite_deletes_nothing_when_the_config_cannot_build_its_model(done, tmp_path, monkeypatch):
+    import tinker_pipelines.experiment as experiment_module
+
+    out = _copy(done, tmp_path, keep=2)
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+
+    def broken(*a, **k):  # a model directory that fails to load, after every config check passed
+        raise OSError("model files unreadable")
+
+    monkeypatch.setattr(experiment_module, "load_model", broken)
+    with pytest.raises(OSError, match="unreadable"):
+        train(cfg_at(out, training__iterations=1), overwrite=True)
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
+def test_fresh_run_refuses_an_earlier_warm_start(done, tmp_path):
+    out = _copy(done, tmp_path, keep=0)  # SFT finished, no iteration did
+    assert (out / "sft").is_dir() and not list((out / "checkpoints").glob("iter_*"))
+    with pytest.raises(CheckpointError, match="already holds an earlier run's warm start"):
+        train(cfg_at(out))
+    assert (out / "sft").is_dir()
+
+
 def test_sft_base_is_verified_on_load(done, tmp_path):
     out = _copy(done, tmp_path, keep=1)
     weights = next((out / "sft").glob("*.safetensors"))

@@ -275,7 +275,7 @@ def test_cli_errors_are_one_line(tmp_path):
 
     bad = subprocess.run([sys.executable, "-m", "tinker_pipelines", "worker", "--model", "nope"],
                          capture_output=True, text=True)
-    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: model.name 'nope'")
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --model 'nope'")
     assert "Traceback" not in bad.stderr
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({**SMALL, "env": {"path": "arithmetic"}, "output_dir": str(tmp_path / "o")}))

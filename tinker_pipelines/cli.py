@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -85,9 +86,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     bars: list = []
     try:
         cfg = load_config(args.config)
-        if args.output_dir:
+        if args.output_dir is not None:
             from dataclasses import replace
 
+            from tinker_pipelines.config import ConfigError
+
+            if not args.output_dir.strip():
+                raise ConfigError("--output-dir must be a path (not empty)")
             cfg = replace(cfg, output_dir=args.output_dir)
         output_dir = cfg.output_dir
         _train(args, cfg, bars)
@@ -140,19 +145,23 @@ def cmd_worker(args: argparse.Namespace) -> int:
     import json
 
     try:
-        kwargs = json.loads(args.model_kwargs) if args.model_kwargs else {}
-        if not isinstance(kwargs, dict):
-            raise ValueError("--model-kwargs must be a JSON object")
-        from tinker_pipelines.models import base_identity, check_model_name, resolve_device, resolve_dtype
+        kwargs = _model_kwargs(args.model_kwargs)
+        from tinker_pipelines.models import base_identity, check_model_kwargs, check_model_name, resolve_device, \
+            resolve_dtype
 
-        check_model_name(args.model)
-        device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, device)
+        with _flags():
+            check_model_name(args.model)
+            check_model_kwargs(args.model, kwargs, "--model-kwargs")
+            device = resolve_device(args.device)
+            dtype = resolve_dtype(args.dtype, device)
         socket = Path(args.socket or default_socket(base_identity(args.model, kwargs, args.seed), str(device)))
         if len(str(socket.resolve())) > 100:
             raise ValueError(f"--socket {socket.resolve()} is too long for a Unix socket (100 characters at most)")
         for name in args.imports:
-            importlib.import_module(name)
+            try:
+                importlib.import_module(name)
+            except ImportError as e:
+                raise ValueError(f"--import {name}: {e}") from None
         if args.max_train_rows < 0:
             raise ValueError(f"--max-train-rows must be >= 0, got {args.max_train_rows}")
         for name, v in (("--max-rows", args.max_rows), ("--max-lora-rank", args.max_lora_rank)):
@@ -160,6 +169,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         if args.park_ttl_s < 0:
             raise ValueError(f"--park-ttl-s must be >= 0, got {args.park_ttl_s:g}")
+        from tinker_pipelines.worker.server import socket_path_problem
+
+        problem = socket_path_problem(socket.absolute())  # before loading the model
+        if problem:
+            raise ValueError(f"--socket {socket}: {problem}")
     except (ValueError, ImportError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -197,9 +211,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tinker_pipelines.serving import ServingError
 
     try:
-        kwargs = json.loads(args.model_kwargs) if args.model_kwargs else {}
-        if not isinstance(kwargs, dict):
-            raise ValueError("--model-kwargs must be a JSON object")
+        kwargs = _model_kwargs(args.model_kwargs)
+        if args.model:
+            from tinker_pipelines.models import check_model_kwargs, check_model_name
+
+            with _flags():
+                check_model_name(args.model)
+                check_model_kwargs(args.model, kwargs, "--model-kwargs")
         for name, v in (("--max-adapters", args.max_adapters), ("--max-concurrent", args.max_concurrent)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
@@ -257,6 +275,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         if args.tolerance <= 0:
             raise ValueError(f"--tolerance must be > 0, got {args.tolerance}")
+        if not Path(args.source).is_dir() and _looks_like_path(args.source):
+            raise ValueError(f"checkpoint directory {args.source} does not exist (a registered version is "
+                             "MODEL@ALIAS, MODEL/VERSION or MODEL)")
         if Path(args.source).is_dir():
             record = export_checkpoint(args.source, args.out, args.base or None, not args.no_merged,
                                        args.tolerance, args.device)
@@ -282,6 +303,38 @@ def cmd_export(args: argparse.Namespace) -> int:
     for problem in record["vllm_format_problems"]:
         print(f"  warning: vLLM would refuse the adapter: {problem}")
     return 0
+
+
+def _model_kwargs(text: str) -> dict:
+    import json
+
+    try:
+        kwargs = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--model-kwargs is not JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"--model-kwargs must be a JSON object, got {text}")
+    return kwargs
+
+
+@contextlib.contextmanager
+def _flags():
+    """Name the command-line flag, not the config field, in a model check's error."""
+    try:
+        yield
+    except ValueError as e:
+        message = str(e)
+        for field, flag in (("model.name", "--model"), ("model.device", "--device"), ("model.dtype", "--dtype")):
+            message = message.replace(field, flag)
+        raise ValueError(message) from None
+
+
+def _looks_like_path(source: str) -> bool:
+    """Whether an export source is meant as a directory (not MODEL@ALIAS, MODEL/VERSION or MODEL)."""
+    import re
+
+    return (source.startswith(("/", ".", "~")) or Path(source).exists()
+            or ("/" in source and not re.fullmatch(r"[^/@]+/\d+", source)))
 
 
 def _preload(server, ref: str) -> None:
@@ -355,7 +408,11 @@ def main(argv: list[str] | None = None) -> int:
         # A compute thread beside request threads: libgomp's default lets torch's idle OpenMP
         # worker spin between ops and take the core they need (docs/serving.md, "Figures").
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C before a command installed its own handler (e.g. while importing torch)
+        print("error: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -252,11 +252,19 @@ class Config:
         for name in ("learning_rate",):
             v = getattr(t, name)
             _require(v > 0 and math.isfinite(v), f"training.{name}", "must be positive", v)
-        _require(self.sft.learning_rate > 0, "sft.learning_rate", "must be positive", self.sft.learning_rate)
+        _require(self.output_dir.strip() != "", "output_dir", "must be a path (not empty)", self.output_dir)
+        sft = self.sft
+        _require(sft.learning_rate > 0 and math.isfinite(sft.learning_rate), "sft.learning_rate", "must be positive",
+                 sft.learning_rate)
+        for name in ("batch_size", "examples"):
+            _require(getattr(sft, name) >= 1, f"sft.{name}", "must be >= 1", getattr(sft, name))
         for name in ("iterations", "groups_per_batch", "group_size", "max_new_tokens", "max_turns", "lora_rank",
                      "micro_batch_size"):
             _require(getattr(t, name) >= 1, f"training.{name}", "must be >= 1", getattr(t, name))
-        _require(t.temperature > 0, "training.temperature", "must be positive", t.temperature)
+        _require(t.temperature > 0 and math.isfinite(t.temperature), "training.temperature", "must be positive",
+                 t.temperature)
+        _require(t.lora_alpha > 0 and math.isfinite(t.lora_alpha), "training.lora_alpha", "must be positive",
+                 t.lora_alpha)
         _require(0 <= t.top_k, "training.top_k", "must be >= 0 (0: off)", t.top_k)
         _require(0 < t.top_p <= 1, "training.top_p", "must be in (0, 1] (1: off)", t.top_p)
         _require(0 <= t.min_p < 1, "training.min_p", "must be in [0, 1) (0: off)", t.min_p)
@@ -293,9 +301,10 @@ class Config:
             _require(v >= 0 and math.isfinite(v), f"algorithm.{name}", "must be >= 0", v)
         self.dpo.validate()
         check_model_name(self.model.name)
-        from tinker_pipelines.models import resolve_device, resolve_dtype
+        from tinker_pipelines.models import check_model_kwargs, resolve_device, resolve_dtype
 
         try:
+            check_model_kwargs(self.model.name, self.model.kwargs)
             resolve_dtype(self.model.dtype, resolve_device(self.model.device))
         except ValueError as e:
             raise ConfigError(str(e)) from None
@@ -310,17 +319,17 @@ def _require(ok: bool, name: str, what: str, value: Any) -> None:
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(set(data) - known, key=str)
     if unknown:
         raise ConfigError(f"unknown field {prefix}{unknown[0]}; known: {', '.join(sorted(known))}")
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value or {}, f"{prefix}{name}.")
+            kwargs[name] = _build(hint, {} if value is None else value, f"{prefix}{name}.")
         else:
             kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
     return cls(**kwargs)
@@ -349,7 +358,7 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
 
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Build and validate a `Config`; raises `ConfigError` naming the bad field."""
-    return _build(Config, data or {}, "").validate()
+    return _build(Config, {} if data is None else data, "").validate()
 
 
 def load_config(path: str | Path) -> Config:
@@ -357,7 +366,16 @@ def load_config(path: str | Path) -> Config:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
-    return config_from_dict(yaml.safe_load(path.read_text()) or {})
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    data = yaml.safe_load(text)
+    if data is None:
+        raise ConfigError(f"config file {path} is empty: write at least the fields that differ from the defaults")
+    return config_from_dict(data)
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from tinker_pipelines.schedule_rules import eval_due
 from tinker_pipelines.types import Datum
 from tinker_pipelines.preferences import PreferencePair, generate_pairs, pair_datums, summarize_pairs
 from tinker_pipelines.tracking.store import dumps
+from tinker_pipelines import run_dir
 from tinker_pipelines.experiment import Experiment, derived_seed
 from tinker_pipelines.run_dir import append_metrics
 
@@ -112,7 +113,7 @@ def run_dpo(exp: Experiment, pairs: list[PreferencePair], on_step: OnMetrics | N
 
 def train_dpo(cfg: Config, on_iteration: OnMetrics | None = None,
               on_sft_step: Callable[[int, dict[str, float]], None] | None = None,
-              resume: bool = False) -> list[dict[str, float]]:
+              resume: bool = False, overwrite: bool = False) -> list[dict[str, float]]:
     """SFT warm start (if configured), pairs from the starting policy, `dpo.steps` DPO steps.
 
     Writes under `output_dir`: `sft/` (the warm-started model), `preference_pairs.json`,
@@ -122,8 +123,12 @@ def train_dpo(cfg: Config, on_iteration: OnMetrics | None = None,
     if resume:
         raise ValueError("resume is not supported for dpo runs (one short stage); start a fresh output_dir")
     out = Path(cfg.output_dir)
+    if not overwrite:
+        run_dir.check_fresh(out)
     out.mkdir(parents=True, exist_ok=True)
     exp = Experiment(cfg)
+    if overwrite:  # only now: a config that fails to build its model deletes nothing
+        run_dir.clear_run(out)
     if cfg.sft.steps:
         exp.sft(on_sft_step)
         exp.save_base(out / "sft")

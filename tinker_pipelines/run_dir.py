@@ -68,21 +68,28 @@ def latest_complete(out: str | Path) -> tuple[Path | None, dict[str, Any] | None
     return None, None, skipped
 
 
-def check_fresh(out: str | Path) -> None:
-    """A fresh run must not start in a directory holding an earlier run's checkpoints: a later
-    `--resume` would pick them up, and overwriting them would lose them."""
-    found = checkpoint_dirs(out)
+def check_fresh(out: str | Path, base_in_use: bool = False) -> None:
+    """A fresh run must not start in a directory holding an earlier run's checkpoints or
+    warm-started base (`sft/`): a later `--resume` would pick them up, and overwriting them would
+    lose them. `base_in_use`: `sft/` is this run's base (a worker serves it), not an earlier run's."""
+    out = Path(out)
+    found = sorted(p for p in (out / CHECKPOINTS).glob("*") if p.is_dir())
     if found:
         raise CheckpointError(f"output_dir {out} already holds {len(found)} checkpoint(s) of an earlier run "
                               f"({found[0].name}..{found[-1].name}): resume it (--resume), choose another "
                               f"output_dir, or start over (--overwrite deletes them)")
+    if not base_in_use and (out / "sft").exists():
+        raise CheckpointError(f"output_dir {out} already holds an earlier run's warm start ({out / 'sft'}): choose "
+                              f"another output_dir, or start over (--overwrite deletes it)")
 
 
-def clear_run(out: str | Path) -> None:
-    """Delete an earlier run's checkpoints, metrics and warm-started base (`--overwrite`)."""
+def clear_run(out: str | Path, keep_base: bool = False) -> None:
+    """Delete an earlier run's checkpoints, metrics and warm-started base (`--overwrite`);
+    `keep_base`: not the base (a worker serves it)."""
     out = Path(out)
     shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
-    shutil.rmtree(out / "sft", ignore_errors=True)
+    if not keep_base:
+        shutil.rmtree(out / "sft", ignore_errors=True)
     (out / METRICS).unlink(missing_ok=True)
 
 

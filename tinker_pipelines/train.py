@@ -43,20 +43,17 @@ def train(cfg: Config, on_iteration: Callable[[dict[str, float]], None] | None =
     if resume and overwrite:
         raise ConfigError("resume and overwrite exclude each other: resume continues the checkpoints overwrite deletes")
     if get_algorithm(cfg.algorithm.name).pairwise:  # preference pairs instead of RL iterations
-        if overwrite:
-            run_dir.clear_run(cfg.output_dir)
-        return train_dpo(cfg, on_iteration, on_sft_step, resume)
+        return train_dpo(cfg, on_iteration, on_sft_step, resume, overwrite)
     out = Path(cfg.output_dir)
     ckpt_dir = out / "checkpoints"
     from tinker_pipelines.distributed import is_main_process
 
     writer = is_main_process()  # under torchrun (training.deepspeed) every rank runs this loop; rank 0 writes files
-    if overwrite and writer:
-        run_dir.clear_run(out)
     if resume:
         latest = run_dir.prepare_resume(out, cfg) if writer else run_dir.latest_complete(out)[0]
     else:
-        run_dir.check_fresh(out)
+        if not overwrite:
+            run_dir.check_fresh(out, base_in_use=worker is not None)
         latest = None
     if writer:  # before any model work: an output_dir that cannot be written fails here, not after training
         try:
@@ -72,6 +69,8 @@ def train(cfg: Config, on_iteration: Callable[[dict[str, float]], None] | None =
         exp = Experiment(cfg, worker=worker, base=(out / "sft").resolve() if cfg.sft.steps else None)
     else:
         exp = Experiment(cfg)
+    if overwrite and writer:  # only now: a config that fails to build its model deletes nothing
+        run_dir.clear_run(out, keep_base=worker is not None)
     if exp.worker is None and cfg.sft.steps and latest is None:
         exp.sft(on_sft_step)
         if writer:

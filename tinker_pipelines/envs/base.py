@@ -93,12 +93,16 @@ class EnvSpec:
                            f"{type(e).__name__}: {e}") from e
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest reward magnitude accepted (rewards become float32 advantages)."""
+
+
 def checked_step(env: Env, action: str) -> StepResult:
     """`env.step`, with crashes and broken results reported as `EnvError` naming the env."""
     name = type(env).__name__
     try:
         result = env.step(action)
-    except Exception as e:  # an env bug must not look like a policy failure
+    except (Exception, SystemExit) as e:  # an env bug must not look like a policy failure, nor end the run mutely
         raise EnvError(f"environment {name} raised in step(): {type(e).__name__}: {e}") from e
     if not isinstance(result, StepResult):
         hint = " (a Gym-style tuple? return StepResult(observation, reward, done, info))" \
@@ -111,6 +115,13 @@ def checked_step(env: Env, action: str) -> StepResult:
                        "a reward must be a float")
     if not math.isfinite(r):
         raise EnvError(f"environment {name} returned a non-finite reward {r!r}")
+    if abs(r) > FLOAT32_MAX:  # trained on in float32: it would be inf there
+        raise EnvError(f"environment {name} returned reward {r!r}, outside the float32 range the loss uses")
+    if type(result.done).__name__ not in ("bool", "bool_"):  # a bool or a numpy bool; "no" or None would mislead
+        raise EnvError(f"environment {name}.step() returned done={result.done!r:.100} of type "
+                       f"{type(result.done).__name__}; done must be a bool")
+    if not isinstance(result.info, dict):
+        raise EnvError(f"environment {name}.step() returned info of type {type(result.info).__name__}, not a dict")
     if not isinstance(result.observation, list):
         raise EnvError(f"environment {name}.step() returned an observation of type "
                        f"{type(result.observation).__name__}, not a list of messages: {result.observation!r:.100}")
@@ -122,7 +133,7 @@ def checked_reset(env: Env, seed: int | None) -> Observation:
     """`env.reset`, with crashes reported as `EnvError` naming the env."""
     try:
         obs = env.reset(seed=seed)
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise EnvError(f"environment {type(env).__name__} raised in reset(): {type(e).__name__}: {e}") from e
     if not isinstance(obs, list) or not obs:
         raise EnvError(f"environment {type(env).__name__}.reset() returned {type(obs).__name__} {obs!r:.100}, "

@@ -26,6 +26,30 @@ def check_model_name(name: str) -> None:
     )
 
 
+TINY_KWARGS = ("hidden_size", "num_layers")
+"""The builder arguments `tiny` takes (`model.kwargs`); its 4 attention heads need a hidden
+size that 4 divides."""
+
+
+def check_model_kwargs(name: str, kwargs: dict[str, Any], field: str = "model.kwargs") -> None:
+    """Raise `ValueError` naming the argument unless `kwargs` are builder arguments `name` takes:
+    `tiny`'s positive integers, none for a pretrained model (they would be ignored)."""
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"{field} must be a mapping, got {kwargs!r}")
+    if name != "tiny":
+        if kwargs:
+            raise ValueError(f"{field}: {name!r} takes no builder arguments (only tiny does), got {sorted(kwargs)}")
+        return
+    for key, v in kwargs.items():
+        if key not in TINY_KWARGS:
+            raise ValueError(f"{field}.{key} is not an argument of tiny (known: {', '.join(TINY_KWARGS)})")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{field}.{key} must be an integer >= 1, got {v!r}")
+    if kwargs.get("hidden_size", 128) % 4:
+        raise ValueError(f"{field}.hidden_size must be a multiple of 4 (tiny's attention heads), "
+                         f"got {kwargs['hidden_size']}")
+
+
 DEVICE_CHOICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Iterator
 
 import torch
@@ -142,9 +143,41 @@ class Sampler:
             out[i] = res
         return out
 
+    def sample_each(self, requests: list[SampleRequest]) -> list[list[Sample] | Exception]:
+        """`sample_requests` for requests of independent callers: each request's samples, or the
+        error that request alone caused. Invalid requests are refused before the batch; if the
+        batch fails anyway, the generators are rewound and each request runs alone, so that one
+        caller's bad request never fails the others (their samples are those of the batch)."""
+        out: list[list[Sample] | Exception | None] = [None] * len(requests)
+        ok = []
+        for i, r in enumerate(requests):
+            try:
+                self._check(r)
+                ok.append(i)
+            except ValueError as e:
+                out[i] = e
+        gens = [requests[i].generator for i in ok]
+        states = [g.get_state() if g is not None else None for g in gens]
+        try:
+            for i, samples in zip(ok, self.sample_requests([requests[i] for i in ok]) if ok else []):
+                out[i] = samples
+        except Exception as e:  # noqa: BLE001 - whose request it was is found below
+            if len(ok) == 1:
+                out[ok[0]] = e
+                return out  # type: ignore[return-value]
+            for g, state in zip(gens, states):
+                if g is not None:
+                    g.set_state(state)
+            for i in ok:
+                try:
+                    out[i] = self.sample_requests([requests[i]])[0]
+                except Exception as alone:  # noqa: BLE001
+                    out[i] = alone
+        return out  # type: ignore[return-value]
+
     def _check(self, r: SampleRequest) -> None:
-        if r.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {r.temperature}")
+        if not math.isfinite(r.temperature) or r.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {r.temperature}")
         check_params(r.top_k, r.top_p, r.min_p)
         if not all(isinstance(x, str) and x for x in r.stop):
             raise ValueError(f"stop must be non-empty strings, got {r.stop!r}")
@@ -154,6 +187,12 @@ class Sampler:
             raise ValueError(f"max_new_tokens must be >= 1, got {r.max_new_tokens}")
         if any(len(p) == 0 for p in r.prompts):
             raise ValueError("empty prompt")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        for p in r.prompts:
+            lo, hi = min(p), max(p)
+            if lo < 0 or hi >= vocab:
+                raise ValueError(f"token id {lo if lo < 0 else hi} in a prompt is outside the model's "
+                                 f"vocabulary [0, {vocab})")
         longest = max((len(p) for p in r.prompts), default=0)
         if self.max_context is not None and longest + r.max_new_tokens > self.max_context:
             raise ContextOverflowError(

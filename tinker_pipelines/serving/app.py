@@ -211,8 +211,8 @@ def build_app(server: Server):
 
     async def respond(body, params: P.Params, kind: str, prompts, max_tokens, choice, tools: bool):
         model = body["model"]
-        adapter, key, _ = await server.acquire(model)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        adapter, key, _ = await server.acquire(model)  # held until released below: nothing may fail in between
         if not params.stream:
             try:
                 async with server.slots():

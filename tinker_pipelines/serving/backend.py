@@ -107,17 +107,16 @@ class EngineBackend:
                     except BaseException as e:  # noqa: BLE001 - handed to the waiting handler
                         fut.set_exception(e)
             for chunk in _chunks(jobs, self.engine.cfg.max_rows):
-                try:
-                    if self.record is not None:
-                        self.record.append([j.request for j in chunk])
-                    out = self.engine.sampler.sample_requests([j.request for j in chunk])
-                    self.batches += 1
-                except BaseException as e:  # noqa: BLE001
-                    for j in chunk:
-                        j.future.set_exception(e)
-                    continue
+                if self.record is not None:
+                    self.record.append([j.request for j in chunk])
+                # each request's own error: one client's bad request never fails the others
+                out = self.engine.sampler.sample_each([j.request for j in chunk])
+                self.batches += 1
                 for j, samples in zip(chunk, out):
-                    j.future.set_result(samples)
+                    if isinstance(samples, Exception):
+                        j.future.set_exception(samples)
+                    else:
+                        j.future.set_result(samples)
 
 
 class WorkerBackend:

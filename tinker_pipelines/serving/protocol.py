@@ -81,8 +81,8 @@ def check_params(body: dict, allowed: set[str], max_context: int | None) -> Para
         raise bad_request("stream_options is an object {include_usage: bool}, allowed only with stream: true",
                           "stream_options")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise bad_request(f"seed must be an integer, got {seed!r}", "seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64):
+        raise bad_request(f"seed must be an integer in [-2**63, 2**64), got {seed!r}", "seed")
     for key in ("presence_penalty", "frequency_penalty"):
         if _number(body, key, 0.0, -2.0, 2.0) != 0.0:
             raise bad_request(f"{key} is not supported by this endpoint (only 0)", key)
@@ -91,6 +91,10 @@ def check_params(body: dict, allowed: set[str], max_context: int | None) -> Para
     extra: dict[str, Any] = {}
     top_p, min_p, top_k, stop = (_number(body, "top_p", 1.0, 0.0, 1.0), _number(body, "min_p", 0.0, 0.0, 1.0),
                                  body.get("top_k"), body.get("stop"))
+    if top_p == 0.0:  # the sampler's range, checked here so that no batch it joins can fail on it
+        raise bad_request("top_p must be a number in (0, 1] (1: off), got 0", "top_p")
+    if min_p == 1.0:
+        raise bad_request("min_p must be a number in [0, 1) (0: off), got 1", "min_p")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1):
         raise bad_request(f"top_k must be an integer >= 0 (0 or -1: off), got {top_k!r}", "top_k")
     if isinstance(stop, str):

@@ -185,49 +185,67 @@ class Engine:
         """Requests: {adapter, prompts, max_new_tokens, temperature, generator_state} and optional
         top_k, top_p, min_p, stop (`SampleRequest`'s); each reply has the samples (tokens,
         logprobs, stop_reason, stop_string, support) and the advanced generator state (or an error
-        of its own)."""
+        of its own: one client's bad request never fails the others batched with it)."""
         replies: list[dict[str, Any] | None] = [None] * len(requests)
         ready: list[tuple[int, SampleRequest, torch.Generator]] = []
-        rows = 0
         for i, r in enumerate(requests):
             try:
-                h = self.get(r["adapter"])
-                prompts = [list(map(int, p)) for p in r["prompts"]]
-                if len(prompts) > self.cfg.max_rows:
-                    raise RequestError(f"{len(prompts)} prompts exceed this worker's --max-rows {self.cfg.max_rows}")
-                gen = h.generator
-                if r.get("generator_state") is not None:
-                    gen = torch.Generator()
-                    gen.set_state(torch.frombuffer(bytearray(r["generator_state"]), dtype=torch.uint8))
-                req = SampleRequest(prompts, int(r["max_new_tokens"]), float(r["temperature"]), gen, r["adapter"],
-                                    top_k=r.get("top_k", 0), top_p=r.get("top_p", 1.0), min_p=r.get("min_p", 0.0),
-                                    stop=tuple(r.get("stop", ())))
+                req = self._sample_request(r)
                 self.sampler._check(req)
-                ready.append((i, req, gen))
-                rows += len(prompts)
+                ready.append((i, req, req.generator))
             except (RequestError, ValueError, KeyError, TypeError) as e:
                 replies[i] = _error(e)
         groups = _chunk(ready, self.cfg.max_rows) if self.cfg.batching else [[x] for x in ready]
         for group in groups:
             if self.cfg.batching:
-                out = self.sampler.sample_requests([req for _, req, _ in group])
+                out = self.sampler.sample_each([req for _, req, _ in group])
             else:  # one adapter at a time, as the in-process engine does (merged adapter weights)
                 (_, req, _), = group
-                with _active(self.model, req.adapter):
-                    out = [self.sampler.sample(req.prompts, req.max_new_tokens, req.temperature, req.generator,
-                                               top_k=req.top_k, top_p=req.top_p, min_p=req.min_p, stop=req.stop)]
+                try:
+                    with _active(self.model, req.adapter):
+                        out = [self.sampler.sample(req.prompts, req.max_new_tokens, req.temperature, req.generator,
+                                                   top_k=req.top_k, top_p=req.top_p, min_p=req.min_p, stop=req.stop)]
+                except Exception as e:  # noqa: BLE001 - this request's error alone
+                    out = [e]
             for (i, req, gen), samples in zip(group, out):
+                if isinstance(samples, Exception):
+                    replies[i] = _error(samples)
+                    continue
                 replies[i] = {"samples": [(s.tokens, s.logprobs, s.stop_reason, s.stop_string, s.support)
                                           for s in samples],
                               "generator_state": gen.get_state().numpy().tobytes()
                               if requests[i].get("generator_state") is not None else None}
         return replies  # type: ignore[return-value]
 
+    def _sample_request(self, r: dict[str, Any]) -> SampleRequest:
+        """A client's sample request as a `SampleRequest`; RequestError naming what is malformed."""
+        h = self.get(r["adapter"])
+        raw = r["prompts"]
+        if not isinstance(raw, (list, tuple)) or not all(isinstance(p, (list, tuple)) for p in raw):
+            raise RequestError(f"prompts must be a list of token-id lists, got {type(raw).__name__}")
+        prompts = [[int(t) for t in p] for p in raw]
+        if len(prompts) > self.cfg.max_rows:
+            raise RequestError(f"{len(prompts)} prompts exceed this worker's --max-rows {self.cfg.max_rows}")
+        gen = h.generator
+        if r.get("generator_state") is not None:
+            gen = torch.Generator()
+            try:
+                gen.set_state(torch.frombuffer(bytearray(r["generator_state"]), dtype=torch.uint8))
+            except (RuntimeError, TypeError, ValueError) as e:
+                raise RequestError(f"generator_state is not the state of a CPU torch.Generator ({e})") from None
+        stop = r.get("stop", ())
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        return SampleRequest(prompts, int(r["max_new_tokens"]), float(r["temperature"]), gen, r["adapter"],
+                             top_k=r.get("top_k", 0), top_p=r.get("top_p", 1.0), min_p=r.get("min_p", 0.0), stop=stop)
+
     # -- training ---------------------------------------------------------------------------
     def forward_backward(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Calls: {adapter, datums, algorithm, loss_cfg}; LoRA calls of several adapters share base passes."""
+        """Calls: {adapter, datums, algorithm, loss_cfg}; LoRA calls of several adapters share base
+        passes. A call that fails, fails alone: if a shared pass fails, every adapter's gradient
+        is put back as it was and each call runs alone."""
         replies: list[dict[str, Any] | None] = [None] * len(calls)
         jobs: list[tuple[int, FBJob]] = []
+        vocab = self.model.get_input_embeddings().num_embeddings
         for i, c in enumerate(calls):
             try:
                 h = self.get(c["adapter"])
@@ -238,24 +256,31 @@ class Engine:
                 if self.sampler.max_context is not None and longest > self.sampler.max_context:
                     raise RequestError(f"a datum of {longest} tokens exceeds the model context of "
                                        f"{self.sampler.max_context} tokens")
+                bad = next((t for d in datums for t in (*d.input_tokens, *d.target_tokens) if not 0 <= t < vocab), None)
+                if bad is not None:
+                    raise RequestError(f"token id {bad} in a datum is outside the model's vocabulary [0, {vocab})")
                 loss_fn = get_algorithm(c["algorithm"]).loss
                 jobs.append((i, FBJob(h.learner, datums, loss_fn, LossConfig(**c["loss_cfg"]))))
             except (RequestError, ValueError, KeyError, TypeError) as e:
                 replies[i] = _error(e)
         lora = [(i, j) for i, j in jobs if j.learner.cfg.mode == "lora"]
+        done = set()
         if self.cfg.batching and len(lora) > 1:
-            forward_backward_together([j for _, j in lora], self.cfg.max_train_rows)
-            done = {i for i, _ in lora}
-            for i, j in lora:
-                replies[i] = _error(j.error) if j.error is not None else {"metrics": j.totals}
-        else:
-            done = set()
+            saved = {p: None if p.grad is None else p.grad.clone() for _, j in lora for p in j.learner.params}
+            try:
+                forward_backward_together([j for _, j in lora], self.cfg.max_train_rows)
+                done = {i for i, _ in lora}
+                for i, j in lora:
+                    replies[i] = _error(j.error) if j.error is not None else {"metrics": j.totals}
+            except Exception:  # noqa: BLE001 - whose call it was is found by running each alone
+                for p, grad in saved.items():
+                    p.grad = grad
         for i, j in jobs:
             if i in done:
                 continue
             try:
                 replies[i] = {"metrics": j.learner.forward_backward(j.datums, j.loss_fn, j.loss_cfg)}
-            except (FloatingPointError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - this call's error alone
                 for p in j.learner.params:  # a failed call leaves no partial gradient behind
                     p.grad = None
                 replies[i] = _error(e)

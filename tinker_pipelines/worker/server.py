@@ -11,10 +11,12 @@ mixed-adapter batch and its `forward_backward` calls share base passes (`Engine`
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -59,8 +61,11 @@ class WorkerServer:
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         path, key = Path(self.address), key_path(self.address)
+        problem = socket_path_problem(path)
+        if problem:
+            raise OSError(errno.EADDRINUSE if "listens" in problem else errno.EEXIST, problem)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # an existing directory keeps its mode
-        for stale in (path, key):  # of a dead worker; a live one would still accept
+        for stale in (path, key):  # of a dead worker (a live one accepted above)
             if stale.is_symlink() or stale.exists():
                 stale.unlink()
         old_umask = os.umask(0o077)  # bind() creates the socket owner-only: no moment where others may connect
@@ -113,22 +118,29 @@ class WorkerServer:
             threading.Thread(target=self._serve_client, args=(conn, self._next_client), daemon=True).start()
 
     def _serve_client(self, conn, client: int) -> None:
-        deadline = threading.Timer(HANDSHAKE_TIMEOUT_S, conn.close)
+        # Closing a connection does not wake a thread blocked reading it; shutting its socket down does.
+        deadline = threading.Timer(HANDSHAKE_TIMEOUT_S, _cut, args=(conn,))
         deadline.start()
         try:
-            deliver_challenge(conn, self.authkey)
-            answer_challenge(conn, self.authkey)
-            hello = conn.recv()
-        except (AuthenticationError, OSError, EOFError, ValueError) as e:
-            print(f"worker: refused a client ({type(e).__name__}: {e})", file=self.log, flush=True)
-            conn.close()
-            return
+            try:
+                deliver_challenge(conn, self.authkey)
+                answer_challenge(conn, self.authkey)
+            except (AuthenticationError, OSError, EOFError, ValueError) as e:
+                print(f"worker: refused a client ({type(e).__name__}: {e})", file=self.log, flush=True)
+                conn.close()
+                return
+            try:
+                hello = conn.recv()
+            except (OSError, EOFError, TypeError):  # gone, or cut off by the deadline
+                conn.close()
+                return
+            except Exception as exc:  # noqa: BLE001 - an authenticated client sent something unreadable
+                hello = f"unreadable ({type(exc).__name__}: {exc})"
         finally:
             deadline.cancel()
-        if not (isinstance(hello, dict) and hello.get("op") == "hello" and hello.get("v") == PROTOCOL_VERSION):
-            version = hello.get("v") if isinstance(hello, dict) else None
-            _send(conn, {"ok": False, "error": "ProtocolError",
-                         "message": f"client speaks protocol {version!r}, this worker speaks {PROTOCOL_VERSION}"})
+        problem = _hello_problem(hello)
+        if problem:
+            _send(conn, {"ok": False, "error": "ProtocolError", "message": problem})
             conn.close()
             return
         e = self.engine
@@ -251,6 +263,54 @@ class WorkerServer:
             raise RequestError(f"adapter {name!r} is parked on this worker: create it with its state tag to claim it")
         if h.owner != client:
             raise RequestError(f"adapter {name!r} belongs to another client of this worker")
+
+
+def _hello_problem(hello: Any) -> str:
+    """Why a client's first message is not a hello this worker can serve ('' when it is)."""
+    if not (isinstance(hello, dict) and hello.get("op") == "hello"):
+        shown = hello if isinstance(hello, str) else f"op {hello.get('op')!r}" if isinstance(hello, dict) else \
+            type(hello).__name__
+        return f"the first message must be {{'op': 'hello', 'v': {PROTOCOL_VERSION}}}, got {shown}"
+    if hello.get("v") != PROTOCOL_VERSION:
+        return f"client speaks protocol {hello.get('v')!r}, this worker speaks {PROTOCOL_VERSION}"
+    return ""
+
+
+def _cut(conn) -> None:
+    """Shut a connection's socket down, so that a thread blocked reading it gets end-of-file."""
+    try:
+        s = socket.socket(fileno=os.dup(conn.fileno()))
+    except (OSError, ValueError, TypeError):  # closed already
+        return
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        s.close()
+
+
+def socket_path_problem(path: Path) -> str:
+    """Why a worker may not listen at `path` ('' when it may): another worker listens there, or
+    something that is not a socket is in the way (a dead worker's socket is replaced)."""
+    if path.is_symlink() or (path.exists() and not path.is_socket()):
+        return "something that is not a worker's socket is there; refusing to replace it"
+    if listening(path):
+        return "a worker already listens there (stop it, or choose another --socket)"
+    return ""
+
+
+def listening(path: Path) -> bool:
+    """Whether something accepts connections on the Unix socket at `path`."""
+    if not path.is_socket():
+        return False
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(2.0)
+        try:
+            s.connect(str(path))
+            return True
+        except OSError:
+            return False
 
 
 def _send(conn, message: Any) -> bool:

@@ -80,6 +80,8 @@ class RLConfig(_ExperimentConfig):  # type: ignore[misc, valid-type]
         are per run: they change nothing that is computed)."""
         if not (math.isfinite(self.kl_bound) and self.kl_bound > 0):
             raise lib.ConfigError(f"kl_bound must be positive and finite, got {self.kl_bound}")
+        if not (math.isfinite(self.champion_margin) and self.champion_margin >= 0):
+            raise lib.ConfigError(f"champion_margin must be >= 0 and finite, got {self.champion_margin}")
         if self.rollout_retries < 0 or not self.rollout_retry_delay_s >= 0:
             raise lib.ConfigError("rollout_retries and rollout_retry_delay_s must not be negative")
         return {"config": lib.config_to_dict(self.to_library_config()), "kl_bound": self.kl_bound,

@@ -267,6 +267,10 @@ def test_bad_requests_are_openai_errors_naming_the_field(endpoint, client):
     assert status == 400 and body["error"]["param"] == "best_answer"
     status, body = _post(url, "/completions", json.dumps({"model": server.base_name, "prompt": [[5, 10**7]]}).encode())
     assert status == 400 and "outside the vocabulary" in body["error"]["message"]
+    for field, value in (("top_logprobs", 5), ("logprobs", "yes"), ("top_p", 0), ("min_p", 1), ("seed", 2**70)):
+        status, body = _post(url, "/chat/completions", json.dumps({"model": server.base_name, "messages": Q,
+                                                                    field: value}).encode())
+        assert status == 400 and body["error"]["param"] == field, (field, body)
 
 
 def test_a_client_gone_mid_stream_frees_its_slot_and_others_are_served(endpoint, client):

@@ -194,6 +194,11 @@ def build_app(server: Server):
             raise bad_request("response_format: only {type: text} is supported", "response_format")
         if body.get("tool_choice") not in (None, "auto", "none"):
             raise bad_request("tool_choice: only 'auto' and 'none' are supported", "tool_choice")
+        if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
+            raise bad_request(f"logprobs must be a boolean, got {body['logprobs']!r}", "logprobs")
+        if body.get("top_logprobs") not in (None, 0):
+            raise bad_request("top_logprobs: only 0 is supported (each sampled token's own logprob is returned "
+                              "with logprobs: true)", "top_logprobs")
         messages = P.chat_messages(body)
         tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
         kwargs = {"tools": body["tools"]} if body.get("tools") else {}

@@ -212,12 +212,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         kwargs = _model_kwargs(args.model_kwargs)
-        if args.model:
-            from tinker_pipelines.models import check_model_kwargs, check_model_name
-
-            with _flags():
-                check_model_name(args.model)
-                check_model_kwargs(args.model, kwargs, "--model-kwargs")
         for name, v in (("--max-adapters", args.max_adapters), ("--max-concurrent", args.max_concurrent)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
@@ -225,6 +219,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
         if args.model is None and not args.models and not args.worker:
             raise ValueError("name the base with --model, or a registered version (MODEL@ALIAS) to serve its base")
+        if args.model:  # last: these load torch
+            from tinker_pipelines.models import check_model_kwargs, check_model_name
+
+            with _flags():
+                check_model_name(args.model)
+                check_model_kwargs(args.model, kwargs, "--model-kwargs")
     except (ValueError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,9 +14,15 @@ Parts (all on this machine, fp32 CPU unless the model's device says otherwise):
   unless `--max-train-rows` lets experiments share training passes; on a third worker with
   batching off, the 4 concurrent experiments must equal their solo runs on that worker exactly).
 - the same 4 experiments as 4 separate in-process trainers (4 processes), peak RSS summed, for reference.
+- the ceiling of sharing on this device (`ceiling_part`): the work of 4 experiments' iterations
+  as 4 separate calls vs one call over all their rows on merged weights (sampling and training
+  each), so the aggregate no implementation of sharing one base can pass here. On a CPU whose
+  matmuls are compute-bound at one experiment's training batch, the training gain is ~1 and the
+  ceiling sits near 1 / (training share + sampling share / sampling gain).
 
-Last line: JSON with memory_ratio, sampling_ratio, peft_sampling_ratio, aggregate_ratio, identical,
-identical_exact, identical_exact_unbatched, separate_processes_memory_ratio.
+Last line: JSON with memory_ratio, sampling_ratio, peft_sampling_ratio, aggregate_ratio,
+aggregate_ceiling, ceiling_sampling_gain, ceiling_training_gain, identical, identical_exact,
+identical_exact_unbatched, separate_processes_memory_ratio.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -178,6 +185,73 @@ def sampling_part(model_name: str, rows: int = 16, tokens: int = 32, reps: int =
     return tps
 
 
+def ceiling_part(model_name: str, out: Path, reps: int = 3) -> dict:
+    """The most any sharing of one base could gain on this device, measured: the work of N_EXP
+    experiments' iterations done as N_EXP separate calls vs as one call over all their rows, on
+    one experiment's merged weights (an ideal mixed batch: no per-row deltas, no batching rules).
+    Sampling: `run_groups` over each experiment's groups vs over all of them at once. Training:
+    `forward_backward` over each experiment's datums vs over all of them in one micro-batch.
+    Returns the gain of each phase: time of the separate calls / time of the one call, fastest of
+    `reps` (`aggregate_ceiling` weighs them by a real iteration's split)."""
+    import dataclasses
+    import random
+
+    from tinker_pipelines.experiment import EVAL_SEED_OFFSET
+    from tinker_pipelines.rollout.episodes import run_groups
+
+    exp = Experiment(config_from_dict(experiment_config(model_name, 1, out / "ceiling")), name="ceiling")
+    learner = exp.start_rl()
+    t = exp.cfg.training
+    rng = random.Random(0)
+    seeds = [[rng.randrange(EVAL_SEED_OFFSET) for _ in range(t.groups_per_batch)] for _ in range(N_EXP)]
+
+    def sample(task_seeds: list[int]):
+        return run_groups(exp.sampler(), exp.tokenizer, exp.env_spec, task_seeds, t.group_size, exp.rollout_cfg,
+                          torch.Generator().manual_seed(len(task_seeds)))
+
+    datums = [exp.score(sample(s)) for s in seeds]  # also the warm-up of every sampling shape
+    sample([x for s in seeds for x in s])
+    one_mb = dataclasses.replace(learner.cfg, micro_batch_size=sum(len(d) for d in datums))
+
+    def train(batches: list) -> None:
+        for d in batches:  # an experiment whose groups were all uniform trains nothing, as in a real iteration
+            if d:
+                learner.forward_backward(d, exp.algorithm.loss, exp.loss_cfg)
+        learner.optimizer.zero_grad(set_to_none=True)  # timing only: the adapter never steps
+
+    def train_one() -> None:
+        cfg, learner.cfg = learner.cfg, one_mb
+        try:
+            train([[x for d in datums for x in d]])
+        finally:
+            learner.cfg = cfg
+
+    phases = {"sampling": (lambda: [sample(s) for s in seeds], lambda: sample([x for s in seeds for x in s])),
+              "training": (lambda: train(datums), train_one)}
+    best: dict[str, list[float]] = {}
+    for _ in range(reps):  # interleaved so the machine's load hits both sides alike
+        for name, (separate, together) in phases.items():
+            for side, fn in (("separate", separate), ("together", together)):
+                start = time.perf_counter()
+                fn()
+                key = f"{name}_{side}"
+                best[key] = [*best.get(key, []), time.perf_counter() - start]
+    s = {k: min(v) for k, v in best.items()}
+    return {"sampling_gain": s["sampling_separate"] / s["sampling_together"],
+            "training_gain": s["training_separate"] / s["training_together"], **{f"{k}_s": v for k, v in s.items()}}
+
+
+def aggregate_ceiling(rollout_s: float, train_s: float, sampling_gain: float, training_gain: float) -> float:
+    """The aggregate ratio of an iteration that spends `rollout_s` sampling and `train_s` training
+    alone when each phase runs `gain` times faster shared (a gain below 1 is not taken: a worker
+    can always give each experiment its own passes).
+
+    >>> round(aggregate_ceiling(2.0, 2.0, 2.0, 1.0), 3)
+    1.333
+    """
+    return (rollout_s + train_s) / (rollout_s / max(1.0, sampling_gain) + train_s / max(1.0, training_gain))
+
+
 def separate_processes(model: str, out: Path) -> float:
     """Peak RSS (MB) summed over N_EXP in-process trainers run at the same time."""
     code = ("import resource,sys,json,torch; torch.set_num_threads(1)\n"
@@ -214,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {args.model}, {N_EXP} experiments, {args.iterations} iterations each; load avg {os.getloadavg()[0]:.2f}")
 
     tps = sampling_part(args.model, reps=args.sampling_reps)
+    ceiling = ceiling_part(args.model, out)
     workers = {}
     try:
         share = ["--max-train-rows", str(args.max_train_rows)]
@@ -243,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     separate_rss = separate_processes(args.model, out)
 
     solo_tps, shared_tps = solo_tokens / solo_wall, shared_tokens / shared_wall
+    solo_rollout_s, solo_train_s = (statistics.fmean(x[i] for x in SPLIT["solo"]) for i in (0, 1))
+    ceiling["aggregate_ceiling"] = aggregate_ceiling(solo_rollout_s, solo_train_s, ceiling["sampling_gain"],
+                                                     ceiling["training_gain"])
+    ceiling["training_share"] = solo_train_s / (solo_rollout_s + solo_train_s)
     identical = all(close_enough(shared[s], solo[s]) for s in seeds)
     identical_exact = all(shared[s] == solo[s] for s in seeds)
     for s in seeds:
@@ -255,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
             ("worker, 1 experiment at a time: peak RSS", f"{solo_rss:.0f} MB"),
             ("worker, 4 experiments at once: peak RSS", f"{shared_rss:.0f} MB"),
             ("4 separate processes: peak RSS summed", f"{separate_rss:.0f} MB"),
+            ("ideal sharing (one call over 4 experiments' rows vs 4 calls): sampling / training gain",
+             f"{ceiling['sampling_gain']:.2f}x / {ceiling['training_gain']:.2f}x"),
+            ("  training's share of a solo iteration on the worker", f"{ceiling['training_share']:.2f}"),
+            ("  aggregate ceiling on this device (gains weighed by that split)", f"{ceiling['aggregate_ceiling']:.2f}x"),
             ("1 experiment alone: tokens/s (sampled+trained)", f"{solo_tps:.1f}"),
             ("4 experiments at once, batched: tokens/s", f"{shared_tps:.1f}"),
             ("4 experiments at once, unbatched: wall s", f"{unbatched_wall:.1f}"),
@@ -268,7 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"memory_ratio": round(shared_rss / solo_rss, 3),
                       "sampling_ratio": round(tps["mixed"] / tps["single"], 3),
                       "peft_sampling_ratio": round(tps["peft"] / tps["single"], 3),
-                      "aggregate_ratio": round(shared_tps / solo_tps, 3), "identical": identical,
+                      "aggregate_ratio": round(shared_tps / solo_tps, 3),
+                      "aggregate_ceiling": round(ceiling["aggregate_ceiling"], 3),
+                      "ceiling_sampling_gain": round(ceiling["sampling_gain"], 3),
+                      "ceiling_training_gain": round(ceiling["training_gain"], 3), "identical": identical,
                       "identical_exact": identical_exact, "max_train_rows": args.max_train_rows,
                       "identical_exact_unbatched": exact,
                       "separate_processes_memory_ratio": round(separate_rss / solo_rss, 3),

@@ -345,6 +345,9 @@ def _preload(server, ref: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tinker_pipelines.allocator import retain_freed_memory
+
+    retain_freed_memory()  # workers, training and serving sample and train in this process
     parser = argparse.ArgumentParser(prog="tinker-pipelines", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="SFT warm start (if configured) then RL from one YAML config")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn
+from tinker_pipelines.allocator import retain_freed_memory
 from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.bases import SFT_KIND, base_ref, check_same_base
 from tinker_pipelines.checkpoint import atomic_directory, read_record, seed_everything, write_record
@@ -73,6 +74,7 @@ class Experiment:
         worker as adapter `name` and this process holds only the tokenizer; `base` is the
         warm-started base directory the worker must serve (None: `model.name`)."""
         self.cfg = cfg.validate()
+        retain_freed_memory()  # a process that samples and trains: freed buffers stay in the heap
         self.algorithm = get_algorithm(cfg.algorithm.name)
         self.env_spec, self.eval_spec = cfg.env.spec(), cfg.env.spec(evaluation=True)
         if cfg.sft.steps and not hasattr(self.env_spec.resolve(), "sft_examples"):

@@ -5,6 +5,7 @@ one-process group outside torchrun), `is_main_process` (rank 0, the rank that wr
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import tempfile
@@ -39,6 +40,15 @@ def init_process_group() -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.distributed.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    """Tear the group down while the interpreter is still whole: left to finalization, gloo's
+    worker threads can outlive it and abort the process (SIGABRT, "terminate called without an
+    active exception") after training has finished."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def is_main_process() -> bool:

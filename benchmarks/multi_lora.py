@@ -16,9 +16,9 @@ Parts (all on this machine, fp32 CPU unless the model's device says otherwise):
 - the same 4 experiments as 4 separate in-process trainers (4 processes), peak RSS summed, for reference.
 - the ceiling of sharing on this device (`ceiling_part`): the work of 4 experiments' iterations
   as 4 separate calls vs one call over all their rows on merged weights (sampling and training
-  each), so the aggregate no implementation of sharing one base can pass here. On a CPU whose
-  matmuls are compute-bound at one experiment's training batch, the training gain is ~1 and the
-  ceiling sits near 1 / (training share + sampling share / sampling gain).
+  each), weighed by a solo iteration's split: what an ideal sharing of one base would reach here.
+  The training gain is noisy on 2 CPU cores (0.85-1.31x measured); above 1 it is room that
+  shared training passes (`--max-train-rows`) could use.
 
 Last line: JSON with memory_ratio, sampling_ratio, peft_sampling_ratio, aggregate_ratio,
 aggregate_ceiling, ceiling_sampling_gain, ceiling_training_gain, identical, identical_exact,

@@ -186,7 +186,7 @@ def sampling_part(model_name: str, rows: int = 16, tokens: int = 32, reps: int =
 
 
 def ceiling_part(model_name: str, out: Path, reps: int = 3) -> dict:
-    """The most any sharing of one base could gain on this device, measured: the work of N_EXP
+    """What an ideal sharing of one base would gain on this device, measured: the work of N_EXP
     experiments' iterations done as N_EXP separate calls vs as one call over all their rows, on
     one experiment's merged weights (an ideal mixed batch: no per-row deltas, no batching rules).
     Sampling: `run_groups` over each experiment's groups vs over all of them at once. Training:
@@ -204,13 +204,14 @@ def ceiling_part(model_name: str, out: Path, reps: int = 3) -> dict:
     t = exp.cfg.training
     rng = random.Random(0)
     seeds = [[rng.randrange(EVAL_SEED_OFFSET) for _ in range(t.groups_per_batch)] for _ in range(N_EXP)]
+    all_seeds = [x for s in seeds for x in s]
 
     def sample(task_seeds: list[int]):
         return run_groups(exp.sampler(), exp.tokenizer, exp.env_spec, task_seeds, t.group_size, exp.rollout_cfg,
                           torch.Generator().manual_seed(len(task_seeds)))
 
     datums = [exp.score(sample(s)) for s in seeds]  # also the warm-up of every sampling shape
-    sample([x for s in seeds for x in s])
+    sample(all_seeds)
     one_mb = dataclasses.replace(learner.cfg, micro_batch_size=sum(len(d) for d in datums))
 
     def train(batches: list) -> None:
@@ -226,7 +227,7 @@ def ceiling_part(model_name: str, out: Path, reps: int = 3) -> dict:
         finally:
             learner.cfg = cfg
 
-    phases = {"sampling": (lambda: [sample(s) for s in seeds], lambda: sample([x for s in seeds for x in s])),
+    phases = {"sampling": (lambda: [sample(s) for s in seeds], lambda: sample(all_seeds)),
               "training": (lambda: train(datums), train_one)}
     best: dict[str, list[float]] = {}
     for _ in range(reps):  # interleaved so the machine's load hits both sides alike

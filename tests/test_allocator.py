@@ -1,17 +1,15 @@
 """The allocator setting every sampling/training process takes (`tinker_pipelines.allocator`)."""
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-CODE = ("import os, sys; from tinker_pipelines.allocator import retain_freed_memory as r; "
-        "print(r(), r())")
+CODE = "from tinker_pipelines.allocator import retain_freed_memory as r; print(r(), r())"
 
 
 def _run(env_value: str | None) -> str:
-    import os
-
     env = {k: v for k, v in os.environ.items() if k != "TINKER_MALLOC"}
     if env_value is not None:
         env["TINKER_MALLOC"] = env_value

@@ -40,6 +40,7 @@ def init_process_group() -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.distributed.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    atexit.unregister(_destroy_process_group)  # once per process, however many learners join
     atexit.register(_destroy_process_group)
 
 

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn
-from tinker_pipelines.allocator import retain_freed_memory
 from tinker_pipelines.algorithms.registry import get_algorithm
+from tinker_pipelines.allocator import retain_freed_memory
 from tinker_pipelines.bases import SFT_KIND, base_ref, check_same_base
 from tinker_pipelines.checkpoint import atomic_directory, read_record, seed_everything, write_record
 from tinker_pipelines.config import Config, ConfigError, config_to_dict

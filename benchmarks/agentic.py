@@ -115,13 +115,14 @@ TOOLS_PRESETS = {
                              eval_tasks=40),
 }
 RACE = {
-    "game": {"exact": False},
+    "game": {"exact": False, "reply": "move"},
     "sft": {"steps": 80, "batch_size": 32, "learning_rate": 3e-3, "examples": 3000, "illegal_fraction": 0.1,
             "read_fraction": 0.0, "player": "random", "random_fraction": 0.0},
-    # One token per move: digits are single tokens, the chat template closes the turn. With room
-    # for more, one large GRPO step once pushed an agent off the end-of-turn token ('333',
-    # '223': KL 4.7 to the base in one step) and it lost nearly every game.
-    "rl": {"iterations": 40, "groups_per_batch": 8, "group_size": 8, "learning_rate": 3e-3, "max_new_tokens": 1,
+    # A move's tokens and no more (`RaceGame.reply_tokens`: 1 for '3', 3 for '7+3'): digits are
+    # single tokens, the chat template closes the turn. With room for more, one large GRPO step
+    # once pushed an agent off the end-of-turn token ('333', '223': KL 4.7 to the base in one
+    # step) and it lost nearly every game.
+    "rl": {"iterations": 40, "groups_per_batch": 8, "group_size": 8, "learning_rate": 3e-3,
            "max_turns": 10, "kl_coef": 0.0,
            # Opponent mixing: besides the 8 self-play seeds, each agent plays 16 seeds x 8 games
            # against the scripted `greedy` player (on other seeds than the evaluation's). In
@@ -235,21 +236,27 @@ def run_tools(cfg: ToolsConfig, seed: int) -> dict:
 
 def move_prob(trainer: MultiAgentTrainer, seat: str, totals: range, best: Callable[[int], int]) -> float:
     """Mean probability, over `totals`, that the seat's agent plays move `best(total)`, read from
-    its next-token distribution at the prompt it sees there. Any policy that ignores the total
-    scores exactly 1/3 on three totals (its three move probabilities, one per total): above 1/3
-    the agent reads the position."""
+    its next-token distribution at the prompt it sees there (the product over the reply's
+    tokens when it has several). With replies that are the move itself, any policy that ignores
+    the total scores exactly 1/3 on three totals (its three move probabilities, one per total):
+    above 1/3 the agent reads the position. With replies that name the new total
+    (`--race-reply total`), a policy has to read the total to play legally at all, and a uniform
+    choice among the legal replies scores 1/3."""
     game = RaceGame(**RACE["game"])
     system = {"role": "system", "content": game.rules()}
     learner = trainer.learners[seat]
     learner.activate()
+    tok = trainer.tokenizer
     probs = []
     for total in totals:
         text = f"Total is {total}. Your move." if seat == "a" else f"Opponent adds 1. Total is {total}. Your move."
-        ids = encode_chat(trainer.tokenizer, [system, {"role": "user", "content": text}])
+        ids = encode_chat(tok, [system, {"role": "user", "content": text}])
+        game.total = total
+        reply = tok.encode(game.format_move(best(total)), add_special_tokens=False)
         with torch.no_grad():
-            logits = trainer.model(torch.tensor([ids])).logits[0, -1]
-        move = trainer.tokenizer.encode(str(best(total)), add_special_tokens=False)[0]
-        probs.append(torch.softmax(logits.float(), -1)[move].item())
+            logits_RV = trainer.model(torch.tensor([ids + reply[:-1]])).logits[0, len(ids) - 1:]
+        logprobs_R = torch.log_softmax(logits_RV.float(), -1).gather(1, torch.tensor(reply)[:, None])
+        probs.append(logprobs_R.sum().exp().item())
     return statistics.fmean(probs)
 
 
@@ -281,7 +288,8 @@ def run_race(seed: int) -> dict:
         s["steps"], s["batch_size"],
         s["learning_rate"], seed, "race")
     cfg = MultiAgentConfig(seed=seed, learning_rate=r["learning_rate"], groups_per_batch=r["groups_per_batch"],
-                           group_size=r["group_size"], max_new_tokens=r["max_new_tokens"], max_turns=r["max_turns"],
+                           group_size=r["group_size"], max_new_tokens=RaceGame(**RACE["game"]).reply_tokens(),
+                           max_turns=r["max_turns"],
                            kl_coef=r["kl_coef"], scripted_opponents=tuple(r["scripted_opponents"]),
                            scripted_groups=r["scripted_groups"])
     trainer = MultiAgentTrainer(model, tok, functools.partial(RaceGame, **RACE["game"]), cfg)
@@ -332,6 +340,8 @@ def main() -> None:
     parser.add_argument("--race-sft-random", type=float, default=RACE["sft"]["random_fraction"],
                         help="share of the scripted player's warm-start moves replaced by random legal moves")
     parser.add_argument("--race-sft-examples", type=int, default=RACE["sft"]["examples"])
+    parser.add_argument("--race-reply", choices=["move", "total"], default=RACE["game"]["reply"],
+                        help="a move is the number added ('3') or the new total ('10' from 7)")
     parser.add_argument("--race-rules", choices=["exact", "reach"],
                         default="exact" if RACE["game"]["exact"] else "reach",
                         help="exact: land on 10 exactly (one winning move from 7..9); reach: 10 or more wins")
@@ -339,6 +349,7 @@ def main() -> None:
     RACE["sft"].update(steps=args.race_sft_steps, read_fraction=args.race_sft_read, player=args.race_sft_player,
                        random_fraction=args.race_sft_random, examples=args.race_sft_examples)
     RACE["game"]["exact"] = args.race_rules == "exact"
+    RACE["game"]["reply"] = args.race_reply
     pool = tuple(p for p in args.race_pool.split(",") if p)
     RACE["rl"].update(learning_rate=args.race_lr, kl_coef=args.race_kl, scripted_opponents=pool,
                       scripted_groups=args.race_pool_groups if pool else 0, iterations=args.race_iterations)

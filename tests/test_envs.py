@@ -12,7 +12,7 @@ from tinker_pipelines.datums import trajectory_to_datum
 from tinker_pipelines.envs import BUILTIN_ENVS, Env, EnvCheckError, EnvSpec, check_env
 from tinker_pipelines.envs.tool_env import MultiplyEnv
 from tinker_pipelines.envs.tools import format_tool_call
-from tinker_pipelines.envs.two_agent import RaceEnv, RaceGame
+from tinker_pipelines.envs.two_agent import SCRIPTED_PLAYERS, RaceEnv, RaceGame
 from tinker_pipelines.models import render_chat, stop_token_ids
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes
 from tinker_pipelines.rollout.sampler import Sample, Sampler
@@ -312,3 +312,42 @@ def test_race_sft_random_fraction_weakens_the_demonstrator():
     assert 0.5 < share < 0.85, share
     with pytest.raises(ValueError, match="sft.random_fraction must be in \\[0, 1\\], got 1.5"):
         RaceEnv.sft_examples(10, random_fraction=1.5)
+
+
+def test_race_total_replies_name_the_new_total_so_only_a_reading_policy_is_legal():
+    game = RaceGame(reply="total")
+    assert "new total" in game.rules() and game.reply_tokens() == 2  # up to "12" from 9
+    game.reset(0)
+    total = game.total
+    assert game.format_move(2) == str(total + 2)
+    for wrong in ("2" if total != 0 else "5", str(total), str(total + 4), "x"):  # a bare move, no move, too far
+        step = game.step(wrong)
+        assert step.info["illegal"] == "a" and game.total == total and game.to_move == "a", wrong
+        assert f"the new total, from {total + 1} to {total + 3}." in step.observations["a"][0]["content"]
+        game.illegal["a"] = 0
+    step = game.step(f" {total + 2} ")
+    assert game.total == total + 2 and game.to_move == "b" and step.rewards == {"a": 0.0, "b": 0.0}
+    exact = RaceGame(exact=True, reply="total")
+    exact.reset(0)
+    exact.total = 8
+    assert exact.step("11").info["illegal"] == "a" and exact.step("10").done  # past 10 is illegal there
+    for seed in range(30):  # every scripted player replies in the game's format
+        for name, player in SCRIPTED_PLAYERS.items():
+            env = RaceEnv(seat="a", opponent=name, reply="total")
+            env.reset(seed)
+            rng = random.Random(seed)
+            while not (r := env.step(player(env.game, rng))).done:
+                assert r.reward == 0.0
+            assert not r.info.get("forfeit")
+    misreads = 0
+    for context, reply in RaceEnv.sft_examples(300, seed=2, reply="total", illegal_fraction=0.3):
+        shown = int(context[-1]["content"].split("Total is ")[1].split(".")[0])
+        assert 1 <= int(reply) - shown <= 3, (context[-1], reply)
+        if context[-1]["content"].startswith("Illegal move"):  # a wrong reply is context only
+            misreads += context[-2]["content"].isdigit()
+    assert misreads > 0  # the warm start shows recovering from a misread total too
+    for exact in (False, True):  # a made-up wrong reply that happens to be legal never ends a game early
+        assert len(RaceEnv.sft_examples(2000, seed=3, reply="total", illegal_fraction=0.5, exact=exact)) == 2000
+    with pytest.raises(ValueError, match="env.kwargs.reply"):
+        RaceEnv(reply="words")
+    assert RaceGame().reply_tokens() == 1 and RaceGame().format_move(3) == "3"

@@ -78,13 +78,19 @@ class RaceGame(TwoAgentGame):
     """
 
     def __init__(self, target: int = 10, max_add: int = 3, max_start: int = 6, balanced: bool = True,
-                 max_illegal: int = 2, illegal_penalty: float = 0.1, exact: bool = False):
+                 max_illegal: int = 2, illegal_penalty: float = 0.1, exact: bool = False, reply: str = "move"):
         """`max_illegal`: illegal replies a seat may make per game and move again (the next one
         forfeits; 0: the first forfeits); `illegal_penalty`: reward moved from the mover to the
         other seat for each illegal reply that does not forfeit. `exact`: the total must land on
         `target` exactly (a move past it is illegal), so that from `target - max_add` on exactly
         one move wins; otherwise reaching `target` or beyond wins, and adding `max_add` wins from
-        every one of those totals whatever the total is."""
+        every one of those totals whatever the total is. `reply`: what a move looks like: 'move',
+        the number added ("3"); 'total', the total the move makes ("10" from 7), as players of
+        counting games call it out.
+        With 'total' no policy blind to the total can even play legally, and the winning replies
+        are the same words from every total that allows them ("10" from 7, 8 or 9; "6" from 3..5
+        is the only winning move there): a warm start on random legal moves already has to read
+        the total, and RL then has a strategy it can express (see docs/environments.md, "Race")."""
         if max_add < 1 or target < 2:
             raise ValueError(f"env.kwargs: need max_add >= 1 and target >= 2, got {max_add}, {target}")
         if not 0 <= max_start < target - max_add:
@@ -95,19 +101,30 @@ class RaceGame(TwoAgentGame):
             raise ValueError(f"env.kwargs.illegal_penalty must be in [0, 1), got {illegal_penalty}")
         if not isinstance(exact, bool):
             raise ValueError(f"env.kwargs.exact must be true or false, got {exact!r}")
+        if reply not in ("move", "total"):
+            raise ValueError(f"env.kwargs.reply must be 'move' or 'total', got {reply!r}")
         self.target, self.max_add, self.max_start, self.balanced = target, max_add, max_start, balanced
-        self.max_illegal, self.illegal_penalty, self.exact = max_illegal, illegal_penalty, exact
+        self.max_illegal, self.illegal_penalty, self.exact, self.reply = max_illegal, illegal_penalty, exact, reply
         self.total: int | None = None
         self.done = True
         self._to_move = "a"
 
     def rules(self) -> str:
+        how = "Reply with one number." if self.reply == "move" else "Reply with the new total."
         if self.exact:
             return (f"Race to {self.target}. Players take turns adding 1 to {self.max_add} to the total, "
-                    f"never past {self.target}. Whoever makes the total exactly {self.target} wins. "
-                    "Reply with one number.")
+                    f"never past {self.target}. Whoever makes the total exactly {self.target} wins. {how}")
         return (f"Race to {self.target}. Players take turns adding 1 to {self.max_add} to the total. "
-                f"Whoever makes the total {self.target} or more wins. Reply with one number.")
+                f"Whoever makes the total {self.target} or more wins. {how}")
+
+    def format_move(self, move: int) -> str:
+        """The reply that plays `move` now (what the scripted players and the warm start say)."""
+        return str(move) if self.reply == "move" else str(self.total + move)
+
+    def reply_tokens(self) -> int:
+        """The most tokens a legal reply takes when digits are single tokens (a rollout's
+        `max_new_tokens`: room for more lets a drifting policy write past the move)."""
+        return len(str(self.max_add if self.reply == "move" else self.target - 1 + self.max_add))
 
     def largest_move(self) -> int:
         """The largest legal move now (`max_add`, or less near the target under `exact`)."""
@@ -134,7 +151,10 @@ class RaceGame(TwoAgentGame):
     def parse_move(self, action: str) -> int | None:
         """The number played, or None when the reply is not a legal move."""
         m = re.fullmatch(r"\s*(\d{1,3})\s*\.?\s*", action)
-        return int(m.group(1)) if m and 1 <= int(m.group(1)) <= self.largest_move() else None
+        if m is None:
+            return None
+        move = int(m.group(1)) - (self.total if self.reply == "total" else 0)
+        return move if 1 <= move <= self.largest_move() else None
 
     def step(self, action: str) -> GameStep:
         if self.total is None:
@@ -149,8 +169,9 @@ class RaceGame(TwoAgentGame):
             if self.illegal[mover] > self.max_illegal:  # forfeit
                 self.done = True
                 return GameStep({}, {mover: -1.0, other: 1.0}, True, {"winner": other, "forfeit": True})
-            text = (f"Illegal move. Reply with one number from 1 to {self.largest_move()}. "
-                    f"Total is {self.total}. Your move.")
+            what = (f"one number from 1 to {self.largest_move()}" if self.reply == "move" else
+                    f"the new total, from {self.total + 1} to {self.total + self.largest_move()}")
+            text = f"Illegal move. Reply with {what}. Total is {self.total}. Your move."
             p = self.illegal_penalty
             return GameStep({mover: [{"role": "user", "content": text}]}, {mover: -p, other: p}, False,
                             {"illegal": mover})
@@ -171,18 +192,18 @@ class RaceGame(TwoAgentGame):
 
 def random_player(game: RaceGame, rng: random.Random) -> str:
     """A uniformly random legal move."""
-    return str(rng.randint(1, game.largest_move()))
+    return game.format_move(rng.randint(1, game.largest_move()))
 
 
 def greedy_player(game: RaceGame, rng: random.Random) -> str:
     """Wins when the target is within reach, otherwise plays at random."""
     need = game.target - game.total
-    return str(need) if need <= game.max_add else random_player(game, rng)
+    return game.format_move(need) if need <= game.max_add else random_player(game, rng)
 
 
 def optimal_player(game: RaceGame, rng: random.Random) -> str:
     """Perfect play."""
-    return str(game.optimal_move())
+    return game.format_move(game.optimal_move())
 
 
 SCRIPTED_PLAYERS: dict[str, Callable[[Any, random.Random], str]] = {
@@ -252,10 +273,11 @@ class RaceEnv(VersusScripted):
 
     def __init__(self, seat: str = "a", opponent: str = "greedy", target: int = 10, max_add: int = 3,
                  max_start: int = 6, balanced: bool = True, max_illegal: int = 2, illegal_penalty: float = 0.1,
-                 exact: bool = False):
+                 exact: bool = False, reply: str = "move"):
         if opponent not in SCRIPTED_PLAYERS:
             raise ValueError(f"env.kwargs.opponent must be one of {', '.join(SCRIPTED_PLAYERS)}, got {opponent!r}")
-        super().__init__(RaceGame(target, max_add, max_start, balanced, max_illegal, illegal_penalty, exact), seat,
+        super().__init__(RaceGame(target, max_add, max_start, balanced, max_illegal, illegal_penalty, exact, reply),
+                         seat,
                          SCRIPTED_PLAYERS[opponent])
 
     @staticmethod
@@ -283,7 +305,8 @@ class RaceEnv(VersusScripted):
             raise ValueError(f"sft.random_fraction must be in [0, 1], got {random_fraction}")
         demonstrator = SCRIPTED_PLAYERS[player]
         kwargs = {k: v for k, v in game_kwargs.items()
-                  if k in ("target", "max_add", "max_start", "balanced", "max_illegal", "illegal_penalty", "exact")}
+                  if k in ("target", "max_add", "max_start", "balanced", "max_illegal", "illegal_penalty", "exact",
+                           "reply")}
         rng = random.Random(seed)
         out: list[tuple[list, str]] = []
         rules = {"role": "system", "content": RaceGame(**kwargs).rules()}
@@ -298,7 +321,12 @@ class RaceEnv(VersusScripted):
             while not game.done and len(out) < n:
                 seat = game.to_move
                 if rng.random() < illegal_fraction and game.illegal[seat] < game.max_illegal:
-                    wrong = rng.choice(["0", str(game.max_add + 1), str(rng.randint(10, 99)), "x"])
+                    wrong = rng.choice([game.format_move(0), game.format_move(game.max_add + 1),
+                                        str(rng.randint(10, 99)), "x"])
+                    if game.reply == "total" and rng.random() < 0.5:  # a misread total
+                        wrong = str(rng.randrange(game.target + game.max_add))
+                    if game.parse_move(wrong) is not None:  # by chance a legal reply after all
+                        wrong = "x"
                     views[seat].append({"role": "assistant", "content": wrong})
                     for s, obs in game.step(wrong).observations.items():
                         views[s] += obs

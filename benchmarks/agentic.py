@@ -14,16 +14,19 @@
    ~1M-parameter tiny model learns the tag format but not to copy operands and results.)
    That SFT alone reaches 1.00 with tools; `--preset sft_short` stops SFT after 3 steps (tool
    demonstrations only) and leaves the rest to GRPO (`TOOLS_PRESETS`, `ToolsConfig`).
-2. **Two agents** (`race`, race to 10 adding 1..3): one tiny base model warm-started on random
-   legal moves (the format, not the strategy; some after an illegal reply), then two LoRA adapters
-   on that one base trained together: each iteration, self-play games between the two agents
-   (zero-sum rewards; an illegal move costs 0.1 and is retried) plus, for each agent, games
-   against a pool of scripted players (`RACE["rl"]["scripted_opponents"]`, `--race-pool`; '' for
-   self-play only); both adapters take one step per iteration. Reported: each agent's win rate against the scripted `greedy` player (wins when it
-   can, otherwise random), before, during and after, over held-out games sampled at temperature 1
-   (the policy RL trains; after a format-only warm start the greedy argmax of a near-uniform move
-   distribution is an arbitrary fixed policy), and P(winning move | total 7..9), 1/3 for any
-   policy that ignores the total.
+2. **Two agents** (`race`, race to exactly 10 adding 1..3, each reply naming the new total:
+   `RaceGame(exact=True, reply="total")`; `--race-rules reach` and `--race-reply move` give the
+   earlier game): one tiny base model warm-started on random legal moves (the format, not the
+   strategy; some after an illegal reply), then two LoRA adapters on that one base trained
+   together: each iteration, self-play games between the two agents (zero-sum rewards; an
+   illegal move costs 0.1 and is retried) plus, for each agent, games against a pool of scripted
+   players (`RACE["rl"]["scripted_opponents"]`, `--race-pool`; '' for self-play only); both
+   adapters take one step per iteration. Reported: each agent's win rate against the scripted
+   `greedy` player (wins when it can, otherwise random), before, during and after, over held-out
+   games sampled at temperature 1 (the policy RL trains; after a format-only warm start the greedy
+   argmax of a near-uniform move distribution is an arbitrary fixed policy); P(winning move |
+   total 7..9) and P(move to 6 | total 3..5), against what a uniform choice among the legal moves
+   scores; and P(a legal reply).
 
 Prints a table; the last line is one JSON object.
 """
@@ -115,8 +118,13 @@ TOOLS_PRESETS = {
                              eval_tasks=40),
 }
 RACE = {
-    "game": {"exact": False, "reply": "move"},
-    "sft": {"steps": 80, "batch_size": 32, "learning_rate": 3e-3, "examples": 3000, "illegal_fraction": 0.1,
+    # Replies name the new total ('10' from 7) and the total must land on 10 exactly: with the
+    # number added as the reply and reaching 10 or beyond winning, the tiny model never learned to
+    # read the total (every P(move | total) the same at every total, in every setting tried), and
+    # adding 3 was the best a blind policy could do (docs/environments.md, "Race").
+    "game": {"exact": True, "reply": "total"},
+    # 200 steps: the warm start has to learn to read the total to make legal replies at all.
+    "sft": {"steps": 200, "batch_size": 32, "learning_rate": 3e-3, "examples": 3000, "illegal_fraction": 0.1,
             "read_fraction": 0.0, "player": "random", "random_fraction": 0.0},
     # A move's tokens and no more (`RaceGame.reply_tokens`: 1 for '3', 3 for '7+3'): digits are
     # single tokens, the chat template closes the turn. With room for more, one large GRPO step
@@ -234,30 +242,37 @@ def run_tools(cfg: ToolsConfig, seed: int) -> dict:
     return {"before": before, "after": after, "seconds": time.perf_counter() - t0}
 
 
-def move_prob(trainer: MultiAgentTrainer, seat: str, totals: range, best: Callable[[int], int]) -> float:
-    """Mean probability, over `totals`, that the seat's agent plays move `best(total)`, read from
-    its next-token distribution at the prompt it sees there (the product over the reply's
-    tokens when it has several). With replies that are the move itself, any policy that ignores
-    the total scores exactly 1/3 on three totals (its three move probabilities, one per total):
-    above 1/3 the agent reads the position. With replies that name the new total
-    (`--race-reply total`), a policy has to read the total to play legally at all, and a uniform
-    choice among the legal replies scores 1/3."""
+def reply_probs(trainer: MultiAgentTrainer, seat: str, total: int) -> dict[int, float]:
+    """The probability of each legal move's reply at `total`, read from the seat's agent on the
+    prompt it sees there: the product over the reply's tokens, and the end of the turn after a
+    reply shorter than the turn's token budget ("8" then end, not "81")."""
     game = RaceGame(**RACE["game"])
-    system = {"role": "system", "content": game.rules()}
-    learner = trainer.learners[seat]
-    learner.activate()
+    game.reset(0)
+    game.total = total
     tok = trainer.tokenizer
-    probs = []
-    for total in totals:
-        text = f"Total is {total}. Your move." if seat == "a" else f"Opponent adds 1. Total is {total}. Your move."
-        ids = encode_chat(tok, [system, {"role": "user", "content": text}])
-        game.total = total
-        reply = tok.encode(game.format_move(best(total)), add_special_tokens=False)
+    text = f"Total is {total}. Your move." if seat == "a" else f"Opponent adds 1. Total is {total}. Your move."
+    ids = encode_chat(tok, [{"role": "system", "content": game.rules()}, {"role": "user", "content": text}])
+    trainer.learners[seat].activate()
+    out = {}
+    for move in range(1, game.largest_move() + 1):
+        reply = tok.encode(game.format_move(move), add_special_tokens=False)
+        if len(reply) < game.reply_tokens():
+            reply.append(tok.eos_token_id)
         with torch.no_grad():
             logits_RV = trainer.model(torch.tensor([ids + reply[:-1]])).logits[0, len(ids) - 1:]
         logprobs_R = torch.log_softmax(logits_RV.float(), -1).gather(1, torch.tensor(reply)[:, None])
-        probs.append(logprobs_R.sum().exp().item())
-    return statistics.fmean(probs)
+        out[move] = logprobs_R.sum().exp().item()
+    return out
+
+
+def move_prob(trainer: MultiAgentTrainer, seat: str, totals: range, best: Callable[[int], int]) -> float:
+    """Mean probability, over `totals`, that the seat's agent plays move `best(total)`. With
+    replies that are the move itself, any policy that ignores the total scores exactly 1/3 on
+    three totals (its three move probabilities, one per total): above 1/3 the agent reads the
+    position. With replies that name the new total (`--race-reply total`) a policy must read the
+    total to play legally at all (`legal_prob`), and a uniform choice among the legal replies
+    scores 1/3."""
+    return statistics.fmean(reply_probs(trainer, seat, t)[best(t)] for t in totals)
 
 
 def take_win_prob(trainer: MultiAgentTrainer, seat: str) -> float:
@@ -268,12 +283,30 @@ def take_win_prob(trainer: MultiAgentTrainer, seat: str) -> float:
     return move_prob(trainer, seat, range(game.target - game.max_add, game.target), lambda t: game.target - t)
 
 
+def uniform_take_win() -> float:
+    """`take_win_prob` of a policy that reads the total and picks uniformly among the legal
+    moves: 1/3 under the default rules, more under `exact` (fewer legal moves near 10)."""
+    game = RaceGame(**RACE["game"])
+    game.reset(0)
+    chances = []
+    for total in range(game.target - game.max_add, game.target):
+        game.total = total
+        chances.append(1 / game.largest_move())
+    return statistics.fmean(chances)
+
+
 def steer_prob(trainer: MultiAgentTrainer, seat: str) -> float:
     """P(move to 6 | total 3..5): the only winning move there (it leaves the opponent 4 short of
     10, a lost position against perfect play), a different move at each total (3, 2, 1)."""
     game = RaceGame(**RACE["game"])
     safe = game.target - (game.max_add + 1)  # 6
     return move_prob(trainer, seat, range(safe - game.max_add, safe), lambda t: safe - t)
+
+
+def legal_prob(trainer: MultiAgentTrainer, seat: str) -> float:
+    """P(a legal reply), the mean over totals 0..9 of the legal replies' probabilities."""
+    game = RaceGame(**RACE["game"])
+    return statistics.fmean(sum(reply_probs(trainer, seat, t).values()) for t in range(game.target))
 
 
 def run_race(seed: int) -> dict:
@@ -297,10 +330,12 @@ def run_race(seed: int) -> dict:
 
     take_win: list[dict[str, float]] = []
     steer: list[dict[str, float]] = []
+    legal: list[dict[str, float]] = []
 
     def win_rates() -> dict[str, float]:
         take_win.append({seat: take_win_prob(trainer, seat) for seat in trainer.seats})
         steer.append({seat: steer_prob(trainer, seat) for seat in trainer.seats})
+        legal.append({seat: legal_prob(trainer, seat) for seat in trainer.seats})
         return {seat: trainer.evaluate(seat, lambda: RaceEnv(seat=seat, opponent=RACE["opponent"], **RACE["game"]),
                                        eval_seeds, temperature=RACE["eval_temperature"], seed=seed)
                 for seat in trainer.seats}
@@ -317,7 +352,8 @@ def run_race(seed: int) -> dict:
             print(f"  iteration {it + 1:>3}  self-play win A {m['a/win_rate_selfplay']:.2f}{mixed}  "
                   f"vs {RACE['opponent']}: A {curve[-1][1]['a']:.2f}  B {curve[-1][1]['b']:.2f}  "
                   f"[{time.perf_counter() - t0:.0f} s]", flush=True)
-    return {"curve": curve, "take_win": take_win, "steer": steer, "seconds": time.perf_counter() - t0}
+    return {"curve": curve, "take_win": take_win, "steer": steer, "legal": legal,
+            "seconds": time.perf_counter() - t0}
 
 
 def main() -> None:
@@ -382,12 +418,16 @@ def main() -> None:
         print(f"{'win rate vs ' + RACE['opponent'] + ' player':<36}" + "".join(f"{'it ' + str(i):>8}" for i, _ in curve))
         for seat, name in (("a", "agent A (moves first)"), ("b", "agent B (moves second)")):
             print(f"{'  ' + name:<36}" + "".join(f"{w[seat]:>8.2f}" for _, w in curve))
-        print("P(winning move | total 7..9); 1/3 = blind to the total")
+        blind = "uniform over the legal replies" if RACE["game"]["reply"] == "total" else "blind to the total"
+        print(f"P(winning move | total 7..9); {uniform_take_win():.2f} = {blind}")
         for seat in race["take_win"][0]:
             print(f"{'  agent ' + seat.upper():<36}" + "".join(f"{w[seat]:>8.2f}" for w in race["take_win"]))
-        print("P(move to 6 | total 3..5), the winning move there; 1/3 = blind to the total")
+        print(f"P(move to 6 | total 3..5), the winning move there; 1/3 = {blind}")
         for seat in race["steer"][0]:
             print(f"{'  agent ' + seat.upper():<36}" + "".join(f"{w[seat]:>8.2f}" for w in race["steer"]))
+        print("P(a legal reply | total 0..9)")
+        for seat in race["legal"][0]:
+            print(f"{'  agent ' + seat.upper():<36}" + "".join(f"{w[seat]:>8.2f}" for w in race["legal"]))
         print(f"  ({race['seconds'] / 60:.1f} min)")
         result.update(agent_a_before=curve[0][1]["a"], agent_a_after=curve[-1][1]["a"],
                       agent_b_before=curve[0][1]["b"], agent_b_after=curve[-1][1]["b"],
@@ -396,7 +436,8 @@ def main() -> None:
                       agent_a_take_win_before=race["take_win"][0]["a"], agent_a_take_win_after=race["take_win"][-1]["a"],
                       agent_b_take_win_before=race["take_win"][0]["b"], agent_b_take_win_after=race["take_win"][-1]["b"],
                       agent_a_steer_before=race["steer"][0]["a"], agent_a_steer_after=race["steer"][-1]["a"],
-                      agent_b_steer_before=race["steer"][0]["b"], agent_b_steer_after=race["steer"][-1]["b"])
+                      agent_b_steer_before=race["steer"][0]["b"], agent_b_steer_after=race["steer"][-1]["b"],
+                      agent_a_legal_after=race["legal"][-1]["a"], agent_b_legal_after=race["legal"][-1]["b"])
     print(json.dumps(result))
 
 

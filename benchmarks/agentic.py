@@ -242,16 +242,32 @@ def run_tools(cfg: ToolsConfig, seed: int) -> dict:
     return {"before": before, "after": after, "seconds": time.perf_counter() - t0}
 
 
+def race_context(seat: str, total: int) -> list[dict]:
+    """A conversation in which `seat` is to move at `total`, as it meets that total in a game: the
+    opening message (A's first move, at a start total; B's, after one move of A's), or for A
+    beyond the start totals its opening, its own move and B's reply (2 each)."""
+    game = RaceGame(**RACE["game"])
+    game.reset(0)
+    system = {"role": "system", "content": game.rules()}
+    if seat == "b":
+        return [system, {"role": "user", "content": f"Opponent adds 1. Total is {total}. Your move."}]
+    if total <= game.max_start:
+        return [system, {"role": "user", "content": f"Total is {total}. Your move."}]
+    game.total = total - 4
+    return [system, {"role": "user", "content": f"Total is {game.total}. Your move."},
+            {"role": "assistant", "content": game.format_move(2)},
+            {"role": "user", "content": f"Opponent adds 2. Total is {total}. Your move."}]
+
+
 def reply_probs(trainer: MultiAgentTrainer, seat: str, total: int) -> dict[int, float]:
     """The probability of each legal move's reply at `total`, read from the seat's agent on the
     prompt it sees there: the product over the reply's tokens, and the end of the turn after a
     reply shorter than the turn's token budget ("8" then end, not "81")."""
+    tok = trainer.tokenizer
+    ids = encode_chat(tok, race_context(seat, total))
     game = RaceGame(**RACE["game"])
     game.reset(0)
     game.total = total
-    tok = trainer.tokenizer
-    text = f"Total is {total}. Your move." if seat == "a" else f"Opponent adds 1. Total is {total}. Your move."
-    ids = encode_chat(tok, [{"role": "system", "content": game.rules()}, {"role": "user", "content": text}])
     trainer.learners[seat].activate()
     out = {}
     for move in range(1, game.largest_move() + 1):

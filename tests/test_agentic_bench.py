@@ -45,6 +45,11 @@ def test_reply_probs_read_the_reply_tokens_and_the_end_of_a_short_reply(race_gam
                             {"role": "user", "content": "Opponent adds 1. Total is 7. Your move."}])
     expected = _next_token_probs(trainer, at7)[ten[0]] * _next_token_probs(trainer, at7 + ten[:1])[ten[1]]
     assert agentic.reply_probs(trainer, "b", 7)[3] == pytest.approx(float(expected), rel=1e-4)
+    # A never opens beyond the start totals: there it is asked after a move of its own and B's
+    opening, mine, reply = agentic.race_context("a", 8)[1:]
+    assert opening["content"] == "Total is 4. Your move." and mine["content"] == "6"
+    assert reply["content"] == "Opponent adds 2. Total is 8. Your move."
+    assert len(agentic.race_context("a", 5)) == 2
     assert 0 < agentic.legal_prob(trainer, "b") < 1
 
 

@@ -14,9 +14,10 @@
    ~1M-parameter tiny model learns the tag format but not to copy operands and results.)
    That SFT alone reaches 1.00 with tools; `--preset sft_short` stops SFT after 3 steps (tool
    demonstrations only) and leaves the rest to GRPO (`TOOLS_PRESETS`, `ToolsConfig`).
-2. **Two agents** (`race`, race to exactly 10 adding 1..3, each reply naming the new total:
-   `RaceGame(exact=True, reply="total")`; `--race-rules reach` and `--race-reply move` give the
-   earlier game): one tiny base model warm-started on random legal moves (the format, not the
+2. **Two agents** (`race`, race to exactly 9 adding 1..3, each reply naming the new total:
+   `RaceGame(target=9, max_start=5, exact=True, reply="total")`; `--race-target 10`,
+   `--race-rules reach` and `--race-reply move` give the earlier games): one tiny base model
+   warm-started on random legal moves (the format, not the
    strategy; some after an illegal reply), then two LoRA adapters on that one base trained
    together: each iteration, self-play games between the two agents (zero-sum rewards; an
    illegal move costs 0.1 and is retried) plus, for each agent, games against a pool of scripted
@@ -25,8 +26,8 @@
    `greedy` player (wins when it can, otherwise random), before, during and after, over held-out
    games sampled at temperature 1 (the policy RL trains; after a format-only warm start the greedy
    argmax of a near-uniform move distribution is an arbitrary fixed policy); P(winning move |
-   total 7..9) and P(move to 6 | total 3..5), against what a uniform choice among the legal moves
-   scores; and P(a legal reply).
+   total 6..8) and P(move to 5 | total 2..4) (target 9; `win_totals`, `steer_totals`), against
+   what a uniform choice among the legal moves scores; and P(a legal reply).
 
 Prints a table; the last line is one JSON object.
 """
@@ -118,11 +119,14 @@ TOOLS_PRESETS = {
                              eval_tasks=40),
 }
 RACE = {
-    # Replies name the new total ('10' from 7) and the total must land on 10 exactly: with the
-    # number added as the reply and reaching 10 or beyond winning, the tiny model never learned to
-    # read the total (every P(move | total) the same at every total, in every setting tried), and
-    # adding 3 was the best a blind policy could do (docs/environments.md, "Race").
-    "game": {"exact": True, "reply": "total"},
+    # Replies name the new total ('9' from 6) and the total must land on the target exactly: with
+    # the number added as the reply and reaching 10 or beyond winning, the tiny model never learned
+    # to read the total (every P(move | total) the same at every total, in every setting tried), and
+    # adding 3 was the best a blind policy could do (docs/environments.md, "Race"). Target 9, not
+    # 10: every legal reply is then one digit, one token. With "10" the winning reply began with
+    # the token "1", and RL's credit for it leaked into "1" at low totals (illegal there): one seed's
+    # first mover drifted to replying "1" and lost every game from iteration 7.
+    "game": {"target": 9, "max_start": 5, "exact": True, "reply": "total"},
     # 200 steps: the warm start has to learn to read the total to make legal replies at all.
     "sft": {"steps": 200, "batch_size": 32, "learning_rate": 3e-3, "examples": 3000, "illegal_fraction": 0.1,
             "read_fraction": 0.0, "player": "random", "random_fraction": 0.0},
@@ -291,42 +295,58 @@ def move_prob(trainer: MultiAgentTrainer, seat: str, totals: range, best: Callab
     return statistics.fmean(reply_probs(trainer, seat, t)[best(t)] for t in totals)
 
 
-def take_win_prob(trainer: MultiAgentTrainer, seat: str) -> float:
-    """P(move = 10 - total | total 7..9). Under the default rules (reaching 10 *or beyond* wins)
-    a policy that always adds 3 wins from every one of those totals and scores 1/3 here; under
-    `--race-rules exact` (land on 10 exactly) that move is the only one that wins."""
+def win_totals() -> range:
+    """The totals from which one move reaches the target (7..9 racing to 10, 6..8 to 9)."""
     game = RaceGame(**RACE["game"])
-    return move_prob(trainer, seat, range(game.target - game.max_add, game.target), lambda t: game.target - t)
+    return range(game.target - game.max_add, game.target)
+
+
+def steer_totals() -> range:
+    """The totals from which one move leaves the opponent `max_add + 1` short of the target, a
+    lost position against perfect play (3..5 racing to 10, moving to 6; 2..4 racing to 9)."""
+    game = RaceGame(**RACE["game"])
+    safe = game.target - (game.max_add + 1)
+    return range(safe - game.max_add, safe)
+
+
+def take_win_prob(trainer: MultiAgentTrainer, seat: str) -> float:
+    """P(move = target - total | total in `win_totals`). Under the reach rules (the target *or
+    beyond* wins) a policy that always adds 3 wins from every one of those totals and scores 1/3
+    here; under `--race-rules exact` (land on the target exactly) that move is the only one that
+    wins."""
+    target = RaceGame(**RACE["game"]).target
+    return move_prob(trainer, seat, win_totals(), lambda t: target - t)
 
 
 def uniform_take_win() -> float:
     """`take_win_prob` of a policy that reads the total and picks uniformly among the legal
-    moves: 1/3 under the default rules, more under `exact` (fewer legal moves near 10)."""
+    moves: 1/3 under the reach rules, more under `exact` (fewer legal moves near the target)."""
     game = RaceGame(**RACE["game"])
     game.reset(0)
     chances = []
-    for total in range(game.target - game.max_add, game.target):
+    for total in win_totals():
         game.total = total
         chances.append(1 / game.largest_move())
     return statistics.fmean(chances)
 
 
 def steer_prob(trainer: MultiAgentTrainer, seat: str) -> float:
-    """P(move to 6 | total 3..5): the only winning move there (it leaves the opponent 4 short of
-    10, a lost position against perfect play), a different move at each total (3, 2, 1)."""
-    game = RaceGame(**RACE["game"])
-    safe = game.target - (game.max_add + 1)  # 6
-    return move_prob(trainer, seat, range(safe - game.max_add, safe), lambda t: safe - t)
+    """P(move to target - max_add - 1 | total in `steer_totals`): the only winning move there, a
+    different move at each total (3, 2, 1)."""
+    safe = steer_totals().stop
+    return move_prob(trainer, seat, steer_totals(), lambda t: safe - t)
 
 
 def legal_prob(trainer: MultiAgentTrainer, seat: str) -> float:
-    """P(a legal reply), the mean over totals 0..9 of the legal replies' probabilities."""
+    """P(a legal reply), the mean over the totals below the target of the legal replies'
+    probabilities."""
     game = RaceGame(**RACE["game"])
     return statistics.fmean(sum(reply_probs(trainer, seat, t).values()) for t in range(game.target))
 
 
 def run_race(seed: int) -> dict:
-    print("== two agents: race to 10, self-play, two LoRA adapters on one base ==", flush=True)
+    print(f"== two agents: race to {RaceGame(**RACE['game']).target}, self-play, two LoRA adapters on one base ==",
+          flush=True)
     t0 = time.perf_counter()
     seed_everything(seed)
     model, tok = load_model("tiny", seed=seed)
@@ -393,14 +413,17 @@ def main() -> None:
                         help="share of the scripted player's warm-start moves replaced by random legal moves")
     parser.add_argument("--race-sft-examples", type=int, default=RACE["sft"]["examples"])
     parser.add_argument("--race-reply", choices=["move", "total"], default=RACE["game"]["reply"],
-                        help="a move is the number added ('3') or the new total ('10' from 7)")
+                        help="a move is the number added ('3') or the new total ('9' from 6)")
+    parser.add_argument("--race-target", type=int, default=RACE["game"]["target"],
+                        help="the total to race to (starts up to target - 4, as 0..6 racing to 10)")
     parser.add_argument("--race-rules", choices=["exact", "reach"],
                         default="exact" if RACE["game"]["exact"] else "reach",
-                        help="exact: land on 10 exactly (one winning move from 7..9); reach: 10 or more wins")
+                        help="exact: land on the target exactly (one winning move from the 3 totals below it); "
+                             "reach: the target or more wins")
     args = parser.parse_args()
     RACE["sft"].update(steps=args.race_sft_steps, read_fraction=args.race_sft_read, player=args.race_sft_player,
                        random_fraction=args.race_sft_random, examples=args.race_sft_examples)
-    RACE["game"]["exact"] = args.race_rules == "exact"
+    RACE["game"].update(target=args.race_target, max_start=args.race_target - 4, exact=args.race_rules == "exact")
     RACE["game"]["reply"] = args.race_reply
     pool = tuple(p for p in args.race_pool.split(",") if p)
     RACE["rl"].update(learning_rate=args.race_lr, kl_coef=args.race_kl, scripted_opponents=pool,
@@ -435,13 +458,15 @@ def main() -> None:
         for seat, name in (("a", "agent A (moves first)"), ("b", "agent B (moves second)")):
             print(f"{'  ' + name:<36}" + "".join(f"{w[seat]:>8.2f}" for _, w in curve))
         blind = "uniform over the legal replies" if RACE["game"]["reply"] == "total" else "blind to the total"
-        print(f"P(winning move | total 7..9); {uniform_take_win():.2f} = {blind}")
+        wins, steers = win_totals(), steer_totals()
+        print(f"P(winning move | total {wins.start}..{wins.stop - 1}); {uniform_take_win():.2f} = {blind}")
         for seat in race["take_win"][0]:
             print(f"{'  agent ' + seat.upper():<36}" + "".join(f"{w[seat]:>8.2f}" for w in race["take_win"]))
-        print(f"P(move to 6 | total 3..5), the winning move there; 1/3 = {blind}")
+        print(f"P(move to {steers.stop} | total {steers.start}..{steers.stop - 1}), the winning move there; "
+              f"1/3 = {blind}")
         for seat in race["steer"][0]:
             print(f"{'  agent ' + seat.upper():<36}" + "".join(f"{w[seat]:>8.2f}" for w in race["steer"]))
-        print("P(a legal reply | total 0..9)")
+        print(f"P(a legal reply | total 0..{wins.stop - 1})")
         for seat in race["legal"][0]:
             print(f"{'  agent ' + seat.upper():<36}" + "".join(f"{w[seat]:>8.2f}" for w in race["legal"]))
         print(f"  ({race['seconds'] / 60:.1f} min)")

@@ -26,9 +26,9 @@
 Prints a table; the last line is one JSON object: `lora_success`, `full_success`,
 `time_to_target_ratio` (full / LoRA; paper 3), `memory_ratio` (LoRA / full; paper ~0.6),
 `curves_identical`, `agents_improved` (each agent of each seed +10 points or more against
-`greedy`; P(winning move | total 7..9) after training at least halfway from a uniform choice
-among the legal moves to certainty, 0.67 under the default rules, 0.81 under `exact`; and no
-evaluation more than 5 points below its start: no collapse).
+`greedy`; P(winning move | total 6..8, racing to 9) after training at least halfway from a
+uniform choice among the legal moves to certainty, 0.81 under the default exact landing, 0.67
+under the reach rules; and no evaluation more than 5 points below its start: no collapse).
 """
 
 from __future__ import annotations
@@ -279,13 +279,16 @@ def report(tools: dict | None, curves: dict | None, race: dict | None, target: f
         print("  reward_mean per iteration: " + " ".join(f"{m['reward_mean']:.3f}" for m in curves["plain"]))
         result.update(curves_identical=curves["identical"], curves_max_abs_diff=curves["max_abs_diff"])
     if race:
-        from benchmarks.agentic import uniform_take_win
+        from benchmarks.agentic import steer_totals, uniform_take_win, win_totals
 
         improved, lowest = True, {}
         uniform = uniform_take_win()
         reads = uniform + (1 - uniform) / 2
+        wins, steers = win_totals(), steer_totals()
+        win_col = f"P(win|{wins.start}..{wins.stop - 1})"
+        steer_col = f"P({steers.stop}|{steers.start}..{steers.stop - 1})"
         print(f"\n{'race vs greedy (win rate)':<40}{'before':>8}{'after':>8}{'gain':>8}{'lowest':>8}"
-              f"{'P(win|7..9)':>13}{'P(6|3..5)':>11}{'P(legal)':>10}")
+              f"{win_col:>13}{steer_col:>11}{'P(legal)':>10}")
         for seed, r in sorted(race.items()):
             curve = r["curve"]
             for seat in ("a", "b"):
@@ -300,9 +303,9 @@ def report(tools: dict | None, curves: dict | None, race: dict | None, target: f
                 result[f"race_seed{seed}_{seat}"] = [round(w[seat], 3) for _, w in curve]
                 result[f"race_seed{seed}_{seat}_take_win"] = round(take_win, 3)
                 result[f"race_seed{seed}_{seat}_steer"] = round(r["steer"][-1][seat], 3)
-        print(f"  P(win|7..9): the winning move's probability at totals 7..9 ({uniform:.2f}: a uniform choice"
-              f" among the legal moves; counted as reading the position from {reads:.2f}); P(6|3..5): moving"
-              " to 6 from 3..5 (1/3: uniform)")
+        print(f"  {win_col}: the winning move's probability at totals {wins.start}..{wins.stop - 1} ({uniform:.2f}:"
+              f" a uniform choice among the legal moves; counted as reading the position from {reads:.2f});"
+              f" {steer_col}: moving to {steers.stop} from {steers.start}..{steers.stop - 1} (1/3: uniform)")
         result.update(agents_improved=improved, race_lowest=lowest)
     return result
 

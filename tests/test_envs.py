@@ -351,3 +351,6 @@ def test_race_total_replies_name_the_new_total_so_only_a_reading_policy_is_legal
     with pytest.raises(ValueError, match="env.kwargs.reply"):
         RaceEnv(reply="words")
     assert RaceGame().reply_tokens() == 1 and RaceGame().format_move(3) == "3"
+    # landing exactly on 9, every total is one digit: a legal reply is one token, as with moves
+    assert RaceGame(target=9, max_start=5, exact=True, reply="total").reply_tokens() == 1
+    assert RaceGame(target=9, max_start=5, reply="total").reply_tokens() == 2  # up to "11" from 8

@@ -124,7 +124,9 @@ class RaceGame(TwoAgentGame):
     def reply_tokens(self) -> int:
         """The most tokens a legal reply takes when digits are single tokens (a rollout's
         `max_new_tokens`: room for more lets a drifting policy write past the move)."""
-        return len(str(self.max_add if self.reply == "move" else self.target - 1 + self.max_add))
+        if self.reply == "move":
+            return len(str(self.max_add))
+        return len(str(self.target if self.exact else self.target - 1 + self.max_add))
 
     def largest_move(self) -> int:
         """The largest legal move now (`max_add`, or less near the target under `exact`)."""

@@ -110,6 +110,29 @@ def _wait_until_up(proc: subprocess.Popen, url: str, log: Path, timeout_s: float
     raise AssertionError(f"{url} never answered: {log.read_text()[-3000:]}")
 
 
+def _wait_until_loaded(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 300) -> None:
+    """The webserver answers `/server_info` before its code locations load: wait until every one is
+    LOADED, and fail at once with its Python error if one could not load."""
+    query = """{ workspaceOrError { __typename ... on Workspace { locationEntries { name loadStatus
+                 locationOrLoadError { __typename ... on PythonError { message } } } } } }"""
+    deadline = time.monotonic() + timeout_s
+    entries: list = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            data = _get(f"{url}/graphql", {"query": query})["data"]["workspaceOrError"]
+        except (OSError, KeyError, TypeError, ValueError):
+            data = {}
+        entries = data.get("locationEntries") or []
+        for e in entries:
+            err = e.get("locationOrLoadError") or {}
+            if err.get("__typename") == "PythonError":
+                raise AssertionError(f"code location {e['name']} failed to load: {err['message']}")
+        if entries and all(e["loadStatus"] == "LOADED" for e in entries):
+            return
+        time.sleep(1)
+    raise AssertionError(f"code locations never loaded ({entries}): {log.read_text()[-3000:]}")
+
+
 @pytest.fixture(scope="module")
 def world(request, tmp_path_factory):
     if CHROMIUM is None:
@@ -153,6 +176,7 @@ def world(request, tmp_path_factory):
         trained = time.monotonic() - t0
         (dagster, dlog), (mlflow, mlog) = procs
         _wait_until_up(dagster, f"http://127.0.0.1:{dport}/server_info", dlog)
+        _wait_until_loaded(dagster, f"http://127.0.0.1:{dport}", dlog)
         _wait_until_up(mlflow, f"http://127.0.0.1:{mport}/health", mlog)
         reporter = request.config.pluginmanager.get_plugin("terminalreporter")
         capture = request.config.pluginmanager.get_plugin("capturemanager")

@@ -279,20 +279,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (fp32 either way)")
     parser.add_argument("--max-train-rows", type=int, default=0,
                         help="the batching workers' --max-train-rows (0: experiments never share a training pass)")
+    parser.add_argument("--window-ms", type=float, default=None,
+                        help="the workers' --window-ms (how long a cycle waits for the other clients)")
+    parser.add_argument("--trace", action="store_true", help="workers log each cycle (TINKER_WORKER_TRACE=1)")
     args = parser.parse_args(argv)
+    if args.trace:
+        os.environ["TINKER_WORKER_TRACE"] = "1"
     global DEVICE
     DEVICE = args.device
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the workers
     out = Path(tempfile.mkdtemp(prefix="multi-lora-"))
     seeds = list(range(1, N_EXP + 1))
-    print(f"model {args.model}, {N_EXP} experiments, {args.iterations} iterations each; load avg {os.getloadavg()[0]:.2f}")
+    print(f"model {args.model}, {N_EXP} experiments, {args.iterations} iterations each; load avg {os.getloadavg()[0]:.2f}; "
+          f"worker logs in {out}")
 
     tps = sampling_part(args.model, reps=args.sampling_reps)
     ceiling = ceiling_part(args.model, out)
     workers = {}
     try:
         share = ["--max-train-rows", str(args.max_train_rows)]
+        if args.window_ms is not None:
+            share += ["--window-ms", str(args.window_ms)]
         for kind, extra in (("solo", share), ("shared", share), ("unbatched", ["--no-batching"])):
             address = str(out / f"{kind}.sock")
             workers[kind] = (address, start_worker(args.model, address, device=DEVICE, dtype="float32",
@@ -357,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                       "ceiling_sampling_gain": round(ceiling["sampling_gain"], 3),
                       "ceiling_training_gain": round(ceiling["training_gain"], 3), "identical": identical,
                       "identical_exact": identical_exact, "max_train_rows": args.max_train_rows,
+                      "window_ms": args.window_ms,
                       "identical_exact_unbatched": exact,
                       "separate_processes_memory_ratio": round(separate_rss / solo_rss, 3),
                       "model": args.model, "iterations": args.iterations,

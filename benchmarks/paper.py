@@ -12,7 +12,9 @@
    minibatches) under `training.mode: lora` and `training.mode: full`, each in its own process,
    the two side by side (so that both see the same machine load). Reported: held-out success
    after RL (greedy, the same problems), wall time until the sampled training success first
-   reaches `--target`, and each process's peak resident memory after the model loaded.
+   reaches `--target`, and each process's peak resident memory after the model loaded, overall
+   and while sampling, updating and evaluating. Both modes checkpoint activations (recompute
+   each decoder layer in backward; `--no-gradient-checkpointing` keeps them all).
    The paper: LoRA reaches full-parameter PPO's success 3x faster with ~40% less memory.
 2. **Identical curves across entry points**: one seeded PPO experiment (the tiny model on
    `arithmetic`, SFT warm start, LoRA) through the plain loop (`train`), the Dagster `rl` job
@@ -59,14 +61,19 @@ this task; full-parameter fine-tuning of a pretrained 135M model the usual ~1e-5
 rate on every weight wrecks the pretrained model in a step)."""
 
 
-def tools_config(mode: str, base_dir: str, out: str, seed: int, iterations: int, eval_tasks: int) -> dict:
-    """The PPO experiment of one mode, from the merged warm start in `base_dir`."""
+def tools_config(mode: str, base_dir: str, out: str, seed: int, iterations: int, eval_tasks: int,
+                 gradient_checkpointing: bool = True) -> dict:
+    """The PPO experiment of one mode, from the merged warm start in `base_dir`. Activation
+    checkpointing is on by default in both modes, as RL fine-tuning frameworks run it on GPUs:
+    without it a 135M model's activations at this sequence length outweigh the weights, their
+    gradients and Adam's state together, and the peaks compare activations, not training modes."""
     return {"seed": seed, "output_dir": out, "model": {"name": base_dir},
             "env": {"path": "multiply_tools", "kwargs": dict(TOOLS_ENV)},
             "algorithm": dict(PPO),
             "training": {"mode": mode, "iterations": iterations, "learning_rate": MODE_LR[mode],
                          "lora_rank": 16, "lora_alpha": 32.0, "groups_per_batch": 4, "group_size": 6,
-                         "max_new_tokens": 40, "max_turns": 3, "micro_batch_size": 4},
+                         "max_new_tokens": 40, "max_turns": 3, "micro_batch_size": 4,
+                         "gradient_checkpointing": gradient_checkpointing},
             "eval": {"every": iterations, "num_tasks": eval_tasks}}
 
 
@@ -91,9 +98,21 @@ def warm_start(out: str, seed: int) -> None:
     tok.save_pretrained(out)
 
 
+def _measured(peaks: dict[str, float], phase: str, fn):
+    """`fn`, recording the process's peak resident memory while it runs under `peaks[phase]`."""
+    def run(*args, **kwargs):
+        reset_peak()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            peaks[phase] = max(peaks.get(phase, 0.0), status_mb("VmHWM"))
+    return run
+
+
 def _train_mode(cfg_dict: dict, target: float, queue) -> None:
     """One mode's PPO run in this (fresh) process: per-iteration success and time, final held-out
-    success, peak memory after the model loaded."""
+    success, peak memory after the model loaded, overall and in each phase (sampling the
+    rollouts, the PPO update, greedy evaluation)."""
     import torch
 
     torch.set_num_threads(1)
@@ -105,7 +124,9 @@ def _train_mode(cfg_dict: dict, target: float, queue) -> None:
     import gc
 
     gc.collect()
-    reset_peak()
+    peaks: dict[str, float] = {}
+    for phase, name in (("rollout", "rollout"), ("update", "train_step"), ("evaluation", "evaluate")):
+        setattr(exp, name, _measured(peaks, phase, getattr(exp, name)))
     before = exp.evaluate()["eval/reward_mean"]
     curve, elapsed, reached = [], 0.0, None
     for it in range(cfg.training.iterations):
@@ -117,11 +138,11 @@ def _train_mode(cfg_dict: dict, target: float, queue) -> None:
         print(f"  [{cfg.training.mode}] iteration {it}  train success {m['reward_mean']:.2f}  "
               f"clip_fraction {m.get('clip_fraction', float('nan')):.3f}  [{elapsed:.0f} s]", flush=True)
     queue.put({"mode": cfg.training.mode, "before": before, "after": m["eval/reward_mean"], "curve": curve,
-               "time_to_target_s": reached, "train_s": elapsed, "peak_mb": status_mb("VmHWM"),
+               "time_to_target_s": reached, "train_s": elapsed, "peak_mb": max(peaks.values()), "peaks_mb": peaks,
                "trainable": sum(p.numel() for p in exp.learner.params)})
 
 
-def run_tools(seed: int, iterations: int, eval_tasks: int, target: float) -> dict:
+def run_tools(seed: int, iterations: int, eval_tasks: int, target: float, gradient_checkpointing: bool = True) -> dict:
     print("== LoRA vs full-parameter PPO, multiply_tools, SmolLM2-135M-Instruct ==", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         base = os.path.join(tmp, "warm_start")
@@ -133,10 +154,11 @@ def run_tools(seed: int, iterations: int, eval_tasks: int, target: float) -> dic
             raise RuntimeError(f"the warm start failed (exit code {proc.exitcode})")
         queue = ctx.Queue()
         procs = [ctx.Process(target=_train_mode, args=(tools_config(mode, base, os.path.join(tmp, mode), seed,
-                                                                    iterations, eval_tasks), target, queue))
+                                                                    iterations, eval_tasks, gradient_checkpointing),
+                                                       target, queue))
                  for mode in ("lora", "full")]
         results = {r["mode"]: r for r in _gather(procs, queue)}
-    return results
+    return {**results, "gradient_checkpointing": gradient_checkpointing}
 
 
 def _gather(procs: list, queue) -> list:
@@ -259,6 +281,9 @@ def report(tools: dict | None, curves: dict | None, race: dict | None, target: f
               f"{_fmt(full['time_to_target_s'], '.0f'):>10}{_fmt(ttt):>8}{PAPER['time_to_target_ratio']:>8.1f}")
         print(f"{'  peak memory MB (after load)':<40}{lora['peak_mb']:>10.0f}{full['peak_mb']:>10.0f}{mem:>8.2f}"
               f"{PAPER['memory_ratio']:>8.1f}")
+        for phase in ("rollout", "update", "evaluation"):
+            a, b = lora["peaks_mb"][phase], full["peaks_mb"][phase]
+            print(f"{'    peak while ' + phase:<40}{a:>10.0f}{b:>10.0f}{a / b:>8.2f}")
         print(f"{'  trainable parameters':<40}{lora['trainable']:>10,}{full['trainable']:>10,}")
         print(f"{'  training seconds (all iterations)':<40}{lora['train_s']:>10.0f}{full['train_s']:>10.0f}"
               f"{full['train_s'] / lora['train_s']:>8.2f}")
@@ -270,6 +295,9 @@ def report(tools: dict | None, curves: dict | None, race: dict | None, target: f
                       lora_time_to_target_s=lora["time_to_target_s"], full_time_to_target_s=full["time_to_target_s"],
                       memory_ratio=round(mem, 3), lora_peak_mb=round(lora["peak_mb"]),
                       full_peak_mb=round(full["peak_mb"]), target=target,
+                      update_memory_ratio=round(lora["peaks_mb"]["update"] / full["peaks_mb"]["update"], 3),
+                      peaks_mb={m: {k: round(v) for k, v in tools[m]["peaks_mb"].items()} for m in ("lora", "full")},
+                      gradient_checkpointing=tools["gradient_checkpointing"],
                       clip_fraction_last=[lora["curve"][-1][3], full["curve"][-1][3]])
     if curves:
         print(f"\n{'one seeded PPO experiment':<40}{'iterations':>11}{'metrics':>9}{'max |diff|':>12}")
@@ -317,11 +345,14 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=8, help="PPO iterations of each mode")
     parser.add_argument("--eval-tasks", type=int, default=40, help="held-out problems, greedy")
     parser.add_argument("--target", type=float, default=0.8, help="training success that counts as reached")
+    parser.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false",
+                        help="tools part: keep every activation for backward (both modes)")
     parser.add_argument("--race-seeds", default="0,1")
     parser.add_argument("--race-iterations", type=int, default=40)
     args = parser.parse_args()
     start = time.perf_counter()
-    tools = run_tools(args.seed, args.iterations, args.eval_tasks, args.target) if args.part in ("all", "tools") else None
+    tools = (run_tools(args.seed, args.iterations, args.eval_tasks, args.target, args.gradient_checkpointing)
+             if args.part in ("all", "tools") else None)
     curves = run_curves() if args.part in ("all", "curves") else None
     race = (run_two_agents([int(s) for s in args.race_seeds.split(",") if s], args.race_iterations)
             if args.part in ("all", "race") else None)

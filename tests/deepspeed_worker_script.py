@@ -36,6 +36,9 @@ CASES = {
     # PPO: a value head in the same ZeRO optimizer with its own learning rate, token-mean loss
     "ppo_token": dict(algorithm="ppo", loss=LossConfig(normalization="token"),
                       learner=dict(value_head=True, value_learning_rate=3e-2)),
+    # the same with activation checkpointing: ZeRO-3 gathers the parameters again for the replay
+    "ppo_checkpointed": dict(algorithm="ppo", loss=LossConfig(normalization="token"),
+                             learner=dict(value_head=True, value_learning_rate=3e-2, gradient_checkpointing=True)),
 }
 NUM_DATUMS = 13
 """Odd, with micro-batches of 3: 2 ranks get 8 and 5 datums, so rank 1 runs a padding micro-batch."""

@@ -39,7 +39,7 @@ METRICS_TOL = 1e-5
 GRAD_NORM_RTOL = 1e-5
 GRAD_RTOL = 1e-5
 PARAM_ATOL = 1e-6
-CASES = [(stage, case) for stage in (2, 3) for case in ("grpo_kl", "ppo_token")]
+CASES = [(stage, case) for stage in (2, 3) for case in ("grpo_kl", "ppo_token", "ppo_checkpointed")]
 
 
 def _free_port() -> int:

@@ -135,7 +135,8 @@ class Experiment:
         datums = [sft_datum(self.tokenizer, m, c) for m, c in examples]
         learner = Learner(self.base_model, LearnerConfig(mode="full", learning_rate=s.learning_rate,
                                                          micro_batch_size=self.cfg.training.micro_batch_size,
-                                                         share_prefix=self.cfg.training.share_prefix),
+                                                         share_prefix=self.cfg.training.share_prefix,
+                                                         gradient_checkpointing=self.cfg.training.gradient_checkpointing),
                           self.tokenizer.pad_token_id)
         sft_loss = get_algorithm("sft").loss
         rng = random.Random(derived_seed(self.cfg.seed, "sft"))
@@ -188,6 +189,7 @@ class Experiment:
                              **({} if self.algorithm.pairwise else dict(temperature=t.temperature, top_k=t.top_k,
                                                                        top_p=t.top_p, min_p=t.min_p)),
                              micro_batch_size=mb, share_prefix=t.share_prefix,
+                             gradient_checkpointing=t.gradient_checkpointing,
                              needs_reference=self.cfg.algorithm.kl_coef > 0 or self.algorithm.needs_reference,
                              value_head=self.algorithm.value_head,
                              value_learning_rate=self.cfg.algorithm.value_learning_rate)

@@ -23,6 +23,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel
 
 from tinker_pipelines import learner_checkpoint
+from tinker_pipelines.activation_checkpointing import checkpointed_layers
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn, loss_normalization, micro_batch_share
 from tinker_pipelines.lora_linear import adapters_disabled, fuse_lora_layers
 from tinker_pipelines.padding import _Padded, loss_batch, pad_datums
@@ -71,6 +72,9 @@ class LearnerConfig:
     """Adam learning rate of the value head (0: `learning_rate`)."""
     share_prefix: bool = True
     """Run a prefix shared by consecutive datums (a group's prompt) once per micro-batch run (same result)."""
+    gradient_checkpointing: bool = False
+    """Keep one hidden state per decoder layer and recompute the rest in backward (same gradient,
+    far less activation memory, about one more forward of compute: `activation_checkpointing`)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("lora", "full"):
@@ -195,6 +199,19 @@ class Learner:
                  head: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  plan: PrefixPlan | None | str = "auto",
                  sampled_support: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_run_forward` with the decoder layers checkpointed when `cfg.gradient_checkpointing`
+        asks for it and gradients are on."""
+        with checkpointed_layers(model, enabled=self.cfg.gradient_checkpointing and torch.is_grad_enabled()):
+            # not self._run_forward: DeepSpeed's engine module calls this with itself as `self`
+            return Learner._run_forward(self, model, padded, only_weighted, values, temperature=temperature,
+                                        truncation=truncation, head=head, plan=plan, sampled_support=sampled_support)
+
+    def _run_forward(self, model: torch.nn.Module, padded: _Padded, only_weighted: bool = True,
+                     values: bool = False, *, temperature: float | torch.Tensor | None = None,
+                     truncation: tuple | None = None,
+                     head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     plan: PrefixPlan | None | str = "auto",
+                     sampled_support: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs of the targets and, with `values`, the value head's values, both [B, T]. With
         `only_weighted`, the output layer and the value head run only from the first weighted
         position on (prompts carry no loss; at a 49k vocabulary the output layer and its softmax

@@ -45,6 +45,9 @@ def _cache_layer(kwargs: dict, index: int) -> DynamicLayer | None:
     if cache is None:  # attention appends to any cache it is given, whatever `use_cache` says
         return None
     layer = cache.layers[index] if index < len(getattr(cache, "layers", ())) else None
+    if layer is None:
+        raise ValueError(f"activation checkpointing needs the cache's layer {index} before decoder layer {index} "
+                         "runs (a DynamicCache built with the model's config)")
     if not isinstance(layer, DynamicLayer) or type(layer).update is not DynamicLayer.update:
         # a static cache writes into its buffers in place: a replay cannot restore them cheaply
         raise ValueError(f"activation checkpointing replays a layer over a DynamicCache only, got {type(layer).__name__}")

@@ -193,18 +193,13 @@ class Learner:
         """Logprobs of the targets, [B, T] (see `_forward`)."""
         return self._forward(model, padded, only_weighted)[0]
 
-    def _forward(self, model: torch.nn.Module, padded: _Padded, only_weighted: bool = True,
-                 values: bool = False, *, temperature: float | torch.Tensor | None = None,
-                 truncation: tuple | None = None,
-                 head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 plan: PrefixPlan | None | str = "auto",
-                 sampled_support: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`_run_forward` with the decoder layers checkpointed when `cfg.gradient_checkpointing`
+    def _forward(self, model: torch.nn.Module, padded: _Padded, *args,
+                 **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_run_forward`, with the decoder layers checkpointed when `cfg.gradient_checkpointing`
         asks for it and gradients are on."""
         with checkpointed_layers(model, enabled=self.cfg.gradient_checkpointing and torch.is_grad_enabled()):
             # not self._run_forward: DeepSpeed's engine module calls this with itself as `self`
-            return Learner._run_forward(self, model, padded, only_weighted, values, temperature=temperature,
-                                        truncation=truncation, head=head, plan=plan, sampled_support=sampled_support)
+            return Learner._run_forward(self, model, padded, *args, **kwargs)
 
     def _run_forward(self, model: torch.nn.Module, padded: _Padded, only_weighted: bool = True,
                      values: bool = False, *, temperature: float | torch.Tensor | None = None,

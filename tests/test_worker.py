@@ -88,6 +88,10 @@ def test_ppo_epochs_and_minibatches_give_the_same_metrics_on_a_worker(tmp_path, 
     local = [deterministic_metrics(m) for m in train(_cfg(tmp_path, "ppo-local", **over))]
     remote = [deterministic_metrics(m) for m in train(_cfg(tmp_path, "ppo-remote", **over), worker=str(address))]
     assert local == remote and local[-1]["optim_steps"] == 4 and local[-1]["clip_fraction"] > 0
+    # the learner's config crosses the socket whole: activation checkpointing on the worker, same numbers
+    over["training"]["gradient_checkpointing"] = True
+    checkpointed = [deterministic_metrics(m) for m in train(_cfg(tmp_path, "ppo-gc", **over), worker=str(address))]
+    assert checkpointed == local
 
 
 def _solo_runs(address, cfgs, iterations=2):

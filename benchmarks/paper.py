@@ -161,6 +161,7 @@ def _train_mode(cfg_dict: dict, target: float, queue) -> None:
 def run_tools(seed: int, iterations: int, eval_tasks: int, target: float, gradient_checkpointing: bool = True,
               learning_rates: dict[str, float] | None = None) -> dict:
     print("== LoRA vs full-parameter PPO, multiply_tools, SmolLM2-135M-Instruct ==", flush=True)
+    learning_rates = learning_rates or MODE_LR
     with tempfile.TemporaryDirectory() as tmp:
         base = os.path.join(tmp, "warm_start")
         ctx = mp.get_context("spawn")
@@ -172,11 +173,11 @@ def run_tools(seed: int, iterations: int, eval_tasks: int, target: float, gradie
         queue = ctx.Queue()
         procs = [ctx.Process(target=_train_mode, args=(tools_config(mode, base, os.path.join(tmp, mode), seed,
                                                                     iterations, eval_tasks, gradient_checkpointing,
-                                                                    (learning_rates or MODE_LR)[mode]),
+                                                                    learning_rates[mode]),
                                                        target, queue))
                  for mode in ("lora", "full")]
         results = {r["mode"]: r for r in _gather(procs, queue)}
-    return {**results, "gradient_checkpointing": gradient_checkpointing, "learning_rates": learning_rates or MODE_LR}
+    return {**results, "gradient_checkpointing": gradient_checkpointing, "learning_rates": learning_rates}
 
 
 def _gather(procs: list, queue) -> list:

@@ -129,15 +129,13 @@ class Experiment:
         """Full-parameter supervised warm start of the base model on the env's examples."""
         if self.worker is not None:
             raise ConfigError("sft runs in-process (it trains every parameter); start the worker on its output")
-        s = self.cfg.sft
+        s, t = self.cfg.sft, self.cfg.training
         make = self.env_spec.resolve().sft_examples
         examples = make(s.examples, seed=self.cfg.seed, **{**self.cfg.env.kwargs, **s.kwargs})
         datums = [sft_datum(self.tokenizer, m, c) for m, c in examples]
-        learner = Learner(self.base_model, LearnerConfig(mode="full", learning_rate=s.learning_rate,
-                                                         micro_batch_size=self.cfg.training.micro_batch_size,
-                                                         share_prefix=self.cfg.training.share_prefix,
-                                                         gradient_checkpointing=self.cfg.training.gradient_checkpointing),
-                          self.tokenizer.pad_token_id)
+        lcfg = LearnerConfig(mode="full", learning_rate=s.learning_rate, micro_batch_size=t.micro_batch_size,
+                             share_prefix=t.share_prefix, gradient_checkpointing=t.gradient_checkpointing)
+        learner = Learner(self.base_model, lcfg, self.tokenizer.pad_token_id)
         sft_loss = get_algorithm("sft").loss
         rng = random.Random(derived_seed(self.cfg.seed, "sft"))
         history = []

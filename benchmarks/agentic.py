@@ -127,10 +127,8 @@ RACE = {
     # the token "1", and RL's credit for it leaked into "1" at low totals (illegal there): one seed's
     # first mover drifted to replying "1" and lost every game from iteration 7.
     "game": {"target": 9, "max_start": 5, "exact": True, "reply": "total"},
-    # The warm start has to learn to read the total to make legal replies at all. At 3e-3 one
-    # seed's tiny model (seed 0, on an Intel AMX machine) never did: its loss stuck at ~0.9 for 400
-    # steps while other seeds reached ~0.5, and its agents then gained 3 and 8 points. At 1e-3 every
-    # seed tried (0, 1, 2) is at ~0.5 by step 300.
+    # The warm start has to learn to read the total to make legal replies at all. At 3e-3 seed 0
+    # never did on one machine (loss ~0.9 for 400 steps, others ~0.5); at 1e-3 seeds 0-2 reach ~0.5.
     "sft": {"steps": 300, "batch_size": 32, "learning_rate": 1e-3, "examples": 3000, "illegal_fraction": 0.1,
             "read_fraction": 0.0, "player": "random", "random_fraction": 0.0},
     # A move's tokens and no more (`RaceGame.reply_tokens`: 1 for '3', 3 for '7+3'): digits are

@@ -60,7 +60,7 @@ def bench_config(iterations: int, preset: str = "standard") -> dict:
             "eval": {"every": 5, "num_tasks": 32}}
 
 
-def run_plain(cfg_dict: dict, out: Path) -> tuple[float, float, list[dict]]:
+def run_plain(cfg_dict: dict, out: Path) -> tuple[float, float, list[dict], dict[str, list[float]]]:
     from tinker_pipelines.config import config_from_dict
     from tinker_pipelines.train import deterministic_metrics, train
 
@@ -72,13 +72,13 @@ def run_plain(cfg_dict: dict, out: Path) -> tuple[float, float, list[dict]]:
             marks["start"], marks["cpu"] = time.perf_counter(), time.process_time()
 
     history = train(cfg, on_iteration=on_iteration)
-    phases = {key: statistics.fmean(m[key] for m in history if key in m) for key in PHASES}
+    phases = {key: [m[key] for m in history if key in m and m["iteration"] >= 0] for key in PHASES}
     return (time.perf_counter() - marks["start"], time.process_time() - marks["cpu"],
             [deterministic_metrics(m) for m in history], phases)
 
 
 def run_dagster(cfg_dict: dict, home: Path, experiment: str, executor: str = "in_process"
-                ) -> tuple[float, float, list[dict]]:
+                ) -> tuple[float, float, list[dict], dict[str, list[float]]]:
     import dagster as dg
 
     from assets.launch import run_iterations, run_sft
@@ -116,7 +116,7 @@ def run_dagster(cfg_dict: dict, home: Path, experiment: str, executor: str = "in
         for step, value in tracker.history(run_id, key):
             per_step.setdefault(step, {})[key] = value
     assert tracker.latest_version(registered_model_name(experiment)) is not None
-    phases = {key: statistics.fmean(v for step, v in tracker.history(run_id, key) if step >= 0) for key in PHASES}
+    phases = {key: [v for step, v in sorted(tracker.history(run_id, key)) if step >= 0] for key in PHASES}
     return wall, cpu, [per_step[k] for k in sorted(per_step)], phases
 
 
@@ -176,11 +176,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'overhead per iteration (s)':28}{'':>16}{(dag - plain) / n:>16.3f}")
     best = {side: phases[side][(plain_times if side == "plain" else dagster_times).index(t)]
             for side, t in (("plain", plain), ("dagster", dag))}
+    per_iteration = best
+    best = {side: {key: statistics.fmean(v) for key, v in per_iteration[side].items()} for side in per_iteration}
     for key in PHASES:
         print(f"{'  ' + key.split('/')[1] + ' (mean)':28}{best['plain'][key]:>16.3f}{best['dagster'][key]:>16.3f}")
     rest = {side: (total / n - sum(best[side].values())) for side, total in (("plain", plain), ("dagster", dag))}
     print(f"{'  the rest (mean)':28}{rest['plain']:>16.3f}{rest['dagster']:>16.3f}   "
           "(evaluation, checkpoints, tracking; on Dagster also its steps and artifacts)")
+    for key in PHASES:
+        for side in per_iteration:
+            print(f"  {key.split('/')[1]} per iteration, {side}: "
+                  + " ".join(f"{v:.2f}" for v in per_iteration[side][key]))
     pc, dc = min(plain_cpu), min(dagster_cpu)
     print(f"{'process CPU time (s)':28}{pc:>16.2f}{dc:>16.2f}" + ("   (this process only: not the steps or the worker)"
                                                                  if args.executor == "gpu" else ""))

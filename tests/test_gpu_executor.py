@@ -140,6 +140,11 @@ def test_full_parameter_runs_ask_exclusive_and_bad_tags_name_the_tag():
             assert not r.success
             text = " ".join(str(e.event_specific_data) + str(e.message) for e in r.all_events)
             assert "gpu_executor.step_launch must be one of forkserver, process, got 'thread'" in text
+        with dg.execute_job(dg.reconstructable(impossible), instance, raise_on_error=False,
+                            run_config={"execution": {"config": {"poll_interval_s": 0.0}}}) as r:
+            assert not r.success
+            text = " ".join(str(e.event_specific_data) + str(e.message) for e in r.all_events)
+            assert "gpu_executor.poll_interval_s must be > 0, got 0.0" in text
 
 
 def test_rl_job_on_the_gpu_executor_with_a_worker(tmp_path):

@@ -31,6 +31,10 @@ from tinker_pipelines.scheduler.placement import StepNeeds, check_fits, needs_fr
 from tinker_pipelines.scheduler.step_entry import NEVER_FITS_EXIT
 from tinker_pipelines.scheduler.step_launch import LAUNCHES, StepProcess, code_location, launch
 
+POLL_INTERVAL_S = 0.02
+"""Default tick of the executor's loop: each tick reads the run's new events (one sqlite query,
+~1 ms); at Dagster's default of 1 s, or 0.1 s, waiting for a tick was a visible part of a
+few-second RL iteration's three step hand-offs."""
 LEDGER_FILE = "tinker_devices.sqlite"
 """The device ledger's file name, in the Dagster instance's root directory by default."""
 
@@ -120,6 +124,9 @@ class DeviceStepHandler(StepHandler):
                                 description="How step processes start: 'forkserver' (forked from a server with "
                                             "torch, transformers, peft, dagster and mlflow preloaded) or 'process' "
                                             "(a fresh interpreter per step)."),
+        "poll_interval_s": dg.Field(float, default_value=POLL_INTERVAL_S,
+                                    description="How often the run process looks for its steps' events (a "
+                                                "finished step's successor starts within this)."),
         "retries": get_retries_config(),
     },
     requirements=dg.multiple_process_executor_requirements(),
@@ -132,6 +139,9 @@ def gpu_executor(init_context: dg.InitExecutorContext) -> StepDelegatingExecutor
             Inventory.from_config(inventory, field="gpu_executor.inventory")
     except ValueError as e:
         raise dg.DagsterInvalidConfigError(str(e), [], inventory) from None
+    if not cfg["poll_interval_s"] > 0:
+        raise dg.DagsterInvalidConfigError(f"gpu_executor.poll_interval_s must be > 0, got {cfg['poll_interval_s']!r}",
+                                           [], cfg["poll_interval_s"])
     if cfg["step_launch"] not in LAUNCHES:
         raise dg.DagsterInvalidConfigError(f"gpu_executor.step_launch must be one of {', '.join(LAUNCHES)}, "
                                            f"got {cfg['step_launch']!r}", [], cfg["step_launch"])
@@ -139,5 +149,5 @@ def gpu_executor(init_context: dg.InitExecutorContext) -> StepDelegatingExecutor
     handler = DeviceStepHandler(inventory, ledger, cfg.get("acquire_timeout_s"), step_launch=cfg["step_launch"])
     return StepDelegatingExecutor(handler, retries=RetryMode.from_config(cfg["retries"]),
                                   max_concurrent=cfg.get("max_concurrent"), check_step_health_interval_seconds=1,
-                                  sleep_seconds=0.1)
+                                  sleep_seconds=cfg["poll_interval_s"])
 

@@ -6,6 +6,10 @@ agreement with it.
   vocabulary, ours and HF interleaved after one warm-up each; tokens counted up to each row's
   first stop token. Peak fraction = 2 x parameters x tokens/s over the fp32 matmul peak measured
   in the same process. Plotted to a PNG (tokens/s and peak fraction against batch size).
+- Ceiling: for each batch size, the decode step's weight matmuls alone, each the faster of torch's
+  `x @ W^T` and `(W @ x^T)^T`, with the projections our decoder fuses fused (q/k/v, gate/up), and
+  timed back to back: torch's own kernels at that row count, without attention, sampling or
+  Python. Its peak fraction bounds what any decoder built on those kernels reaches.
 - Greedy: the same prompts at temperature 0 through our sampler and `generate(do_sample=False)`
   with its raw logits: every row's tokens must be equal, and our reported logprobs (log_softmax
   at temperature 1 of the chosen token) are compared with HF's.
@@ -84,6 +88,42 @@ def sweep(model, tokenizer, batches: list[int], max_new_tokens: int, peak_gflops
                          "tokens": [ours, hf]})
             print(f"  sweep batch {B}: ours {o:.0f} tok/s, HF {h:.0f} tok/s", flush=True)
     return rows
+
+
+def step_weights(model) -> list[torch.Tensor]:
+    """The weights one decode step multiplies, fused as our decoder fuses them (Llama-shaped
+    models; otherwise every `Linear`'s weight), the output layer last."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    try:
+        out = []
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            out += [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), a.o_proj.weight,
+                    torch.cat([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight]
+        return out + [model.get_output_embeddings().weight]
+    except (AttributeError, TypeError):
+        return [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def matmul_ceiling(model, batches: list[int], peak_gflops: float, repeats: int = 3) -> dict[int, float]:
+    """Batch size -> fraction of the peak that the decode step's weight matmuls alone reach
+    (`step_weights`; per weight the faster of the two product forms, fastest of `repeats`)."""
+    weights = [w.detach() for w in step_weights(model)]
+    out = {}
+    with torch.inference_mode():
+        for B in batches:
+            x = torch.randn(B, max(w.shape[1] for w in weights), dtype=weights[0].dtype, device=weights[0].device)
+            forms = ([lambda w, x=x: x[:, :w.shape[1]] @ w.t(), lambda w, x=x: (w @ x[:, :w.shape[1]].t()).t()])
+            best_s = [[float("inf")] * len(forms) for _ in weights]
+            for _ in range(repeats + 1):  # the first round warms up
+                for i, w in enumerate(weights):
+                    for f, form in enumerate(forms):
+                        start = time.perf_counter()
+                        form(w)
+                        best_s[i][f] = min(best_s[i][f], time.perf_counter() - start)
+            flops = 2 * B * sum(w.numel() for w in weights)
+            out[B] = round(flops / sum(min(b) for b in best_s) / 1e9 / peak_gflops, 4)
+    return out
 
 
 def greedy_agreement(model, tokenizer, batch: int, max_new_tokens: int) -> dict:

@@ -107,7 +107,8 @@ def step_weights(model) -> list[torch.Tensor]:
 
 def matmul_ceiling(model, batches: list[int], peak_gflops: float, repeats: int = 3) -> dict[int, float]:
     """Batch size -> fraction of the peak that the decode step's weight matmuls alone reach
-    (`step_weights`; per weight the faster of the two product forms, fastest of `repeats`)."""
+    (`step_weights`; per weight the faster of the two product forms, fastest of `repeats`). Each
+    form runs in a pass over all the weights, so a weight is not timed right after it was read."""
     weights = [w.detach() for w in step_weights(model)]
     out = {}
     with torch.inference_mode():
@@ -116,8 +117,8 @@ def matmul_ceiling(model, batches: list[int], peak_gflops: float, repeats: int =
             forms = ([lambda w, x=x: x[:, :w.shape[1]] @ w.t(), lambda w, x=x: (w @ x[:, :w.shape[1]].t()).t()])
             best_s = [[float("inf")] * len(forms) for _ in weights]
             for _ in range(repeats + 1):  # the first round warms up
-                for i, w in enumerate(weights):
-                    for f, form in enumerate(forms):
+                for f, form in enumerate(forms):  # a pass per form: each weight comes from memory, as in decode
+                    for i, w in enumerate(weights):
                         start = time.perf_counter()
                         form(w)
                         best_s[i][f] = min(best_s[i][f], time.perf_counter() - start)

@@ -174,9 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'wall time (s)':28}{plain:>16.2f}{dag:>16.2f}")
     print(f"{'per iteration (s)':28}{plain / n:>16.3f}{dag / n:>16.3f}")
     print(f"{'overhead per iteration (s)':28}{'':>16}{(dag - plain) / n:>16.3f}")
-    best = {side: phases[side][(plain_times if side == "plain" else dagster_times).index(t)]
-            for side, t in (("plain", plain), ("dagster", dag))}
-    per_iteration = best
+    per_iteration = {side: phases[side][(plain_times if side == "plain" else dagster_times).index(t)]
+                     for side, t in (("plain", plain), ("dagster", dag))}  # the best repeat's
     best = {side: {key: statistics.fmean(v) for key, v in per_iteration[side].items()} for side in per_iteration}
     for key in PHASES:
         print(f"{'  ' + key.split('/')[1] + ' (mean)':28}{best['plain'][key]:>16.3f}{best['dagster'][key]:>16.3f}")

@@ -30,7 +30,7 @@ def test_cached_scripts_give_the_same_revisions_and_reuse_their_modules(tmp_path
     plain = _python(HEADS, tmp_path)
     cached = _python(textwrap.dedent("""
         from tinker_pipelines.scheduler import migration_scripts as m
-        assert len(m._MODULES) > 50, len(m._MODULES)  # Dagster's and MLflow's, warmed at import
+        assert len(m._SCRIPTS) > 50, len(m._SCRIPTS)  # Dagster's and MLflow's, warmed at import
         from alembic.config import Config
         from alembic.script import ScriptDirectory
         from dagster._core.storage.sql import ALEMBIC_SCRIPTS_LOCATION

@@ -3,8 +3,8 @@
 Every step process opens the Dagster instance (its run, event log and schedule storages) and an
 MLflow tracking store, and each of them checks its database's schema revision against the
 installed package's alembic scripts: `alembic.script.ScriptDirectory` imports every revision
-file of the package (about 80 modules per storage) to find the head. That was ~0.1 s of each
-step here. The scripts are installed files that do not change while the server lives, so the
+file of the package (about 80 modules per storage) to find the head. In a forked step that
+took opening the instance from 0.027 to 0.045 s and an MLflow store from 0.021 to 0.030 s here. The scripts are installed files that do not change while the server lives, so the
 server, when it preloads this module, keeps each revision file's module after its first import
 and warms that cache for Dagster's and MLflow's script directories; a forked step inherits it.
 
@@ -23,13 +23,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-_MODULES: dict[tuple[str, bool], tuple[tuple[int, int], Any]] = {}
+_SCRIPTS: dict[tuple[str, bool], tuple[tuple[int, int], Any]] = {}
 """(real path, sourceless) -> ((size, mtime_ns) when imported, the Script alembic built)."""
 _installed = False
 
 
 def install() -> bool:
-    """Cache revision-file modules in this process (idempotent). False when alembic's internals
+    """Cache revision files' scripts in this process (idempotent). False when alembic's internals
     are not the expected ones (nothing is changed then)."""
     global _installed
     if _installed:
@@ -49,10 +49,10 @@ def install() -> bool:
         except OSError:
             return load(cls, scriptdir, path)
         key, stamp = (real, bool(scriptdir.sourceless)), (st.st_size, st.st_mtime_ns)
-        cached = _MODULES.get(key)
+        cached = _SCRIPTS.get(key)
         if cached is None or cached[0] != stamp:
             script = load(cls, scriptdir, path)
-            _MODULES[key] = cached = (stamp, script)
+            _SCRIPTS[key] = cached = (stamp, script)
         script = cached[1]
         return None if script is None else cls(script.module, script.revision, script.path)
 
@@ -84,7 +84,7 @@ def warm() -> int:
             ScriptDirectory.from_config(config).get_heads()
         except Exception:  # a layout this does not know: the steps parse the scripts as before
             continue
-    return len(_MODULES)
+    return len(_SCRIPTS)
 
 
 if install():

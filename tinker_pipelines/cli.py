@@ -164,8 +164,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         for name, v in (("--max-rows", args.max_rows), ("--max-lora-rank", args.max_lora_rank)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        if args.park_ttl_s < 0:
-            raise ValueError(f"--park-ttl-s must be >= 0, got {args.park_ttl_s:g}")
+        for name, v in (("--park-ttl-s", args.park_ttl_s), ("--window-ms", args.window_ms), ("--hold-ms", args.hold_ms)):
+            if not v >= 0:
+                raise ValueError(f"{name} must be >= 0, got {v:g}")
         from tinker_pipelines.worker.server import socket_path_problem
 
         problem = socket_path_problem(socket.absolute())  # before loading the model
@@ -193,7 +194,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                  max_lora_rank=args.max_lora_rank, exclusive=args.exclusive,
                                  park_ttl_s=args.park_ttl_s), tokenizer=tok)
     try:
-        WorkerServer(engine, socket.resolve(), window_s=args.window_ms / 1000).serve_forever()
+        WorkerServer(engine, socket.resolve(), window_s=args.window_ms / 1000, hold_s=args.hold_ms / 1000).serve_forever()
     except OSError as e:
         print(f"error: cannot listen on {socket}: {e}", file=sys.stderr)
         return 1
@@ -226,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--no-batching", action="store_true",
                    help="serve one request at a time, exactly as in-process (no cross-experiment batches)")
     w.add_argument("--window-ms", type=float, default=20.0, help="how long a batch waits for other clients")
+    w.add_argument("--hold-ms", type=float, default=250.0,
+                   help="how long held samples wait for clients busy with other calls to sample too (0: no holding)")
     w.add_argument("--max-rows", type=int, default=256, help="most sequences in one sample batch")
     w.add_argument("--max-train-rows", type=int, default=0,
                    help="most sequences in one training pass shared by several experiments (0: none shared, "

@@ -7,10 +7,20 @@ takes the first pending request, then waits up to `window_s` for every other con
 to have one pending too (Tinker's clock cycle): the `sample` calls of that cycle decode as one
 mixed-adapter batch and its `forward_backward` calls share base passes (`Engine`). With
 `TINKER_WORKER_TRACE=1` in its environment the worker logs each cycle's duration and requests.
+
+Experiments drift out of step: once one trains while another samples, every later cycle mixes a
+few samples with other clients' training calls, and the mixed batches stay small (`benchmarks.
+multi_lora`'s trace: two samples per cycle of four clients). So a cycle that has both `sample`
+calls and other clients' other calls runs the others and holds its samples (`hold_s`): the next
+cycle waits up to `hold_s` for those clients' next calls, and their samples join the held ones
+in one batch. A sample is held at most `MAX_HOLDS` cycles, and only while the worker has other
+work to run, so holding delays a caller but never leaves the device idle for longer than
+`hold_s`. The numbers are the same either way (each row's samples do not depend on its batch).
 """
 
 from __future__ import annotations
 
+import collections
 import errno
 import gc
 import os
@@ -38,20 +48,30 @@ def key_path(address: str | Path) -> Path:
     return Path(f"{address}.key")
 
 
+MAX_HOLDS = 4
+"""Most cycles a `sample` call is held for other clients' samples to join it."""
+_NOT_WORK = ("_disconnected", "shutdown", "stats")
+"""Requests that do not mean their client will sample soon: they never hold samples."""
+
+
 @dataclass
 class _Item:
     client: int
     request: dict[str, Any]
     reply: dict[str, Any] | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    holds: int = 0
 
 
 class WorkerServer:
     """Serves one `Engine` on a Unix socket until `stop()` (or SIGTERM / SIGINT)."""
 
     def __init__(self, engine: Engine, address: str | Path, authkey: bytes | None = None, window_s: float = 0.02,
-                 log=sys.stderr):
+                 log=sys.stderr, hold_s: float = 0.25):
         self.engine, self.address, self.window_s, self.log = engine, str(address), window_s, log
+        self.hold_s = hold_s
+        self.cycles: collections.deque[tuple[str, ...]] = collections.deque(maxlen=1000)
+        """The ops of the latest cycles, in order (what `TINKER_WORKER_TRACE` prints)."""
         self.authkey = authkey or secrets.token_bytes(32)
         self._queue: queue.Queue[_Item] = queue.Queue()
         self._clients: set[int] = set()
@@ -179,11 +199,17 @@ class WorkerServer:
 
     # -- compute ----------------------------------------------------------------------------
     def _compute_loop(self) -> None:
+        held: list[_Item] = []
+        expected: set[int] = set()
         while True:
-            batch = [self._queue.get()]
+            if held:  # wait for the clients that were busy with other calls, up to hold_s
+                batch, window = held, self.hold_s
+            else:  # wait for every connected client, up to window_s
+                batch, window, expected = [self._queue.get()], self.window_s, set()
             if self.engine.cfg.batching:
-                deadline = time.monotonic() + self.window_s
-                while not self._clients <= {i.client for i in batch}:
+                deadline = time.monotonic() + window
+                # (a client that went away meanwhile is not waited for)
+                while not ((expected or self._clients) & self._clients) <= {i.client for i in batch}:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         break
@@ -191,14 +217,18 @@ class WorkerServer:
                         batch.append(self._queue.get(timeout=remaining))
                     except queue.Empty:
                         break
+            held, expected = self._hold(batch)
+            batch = [i for i in batch if all(i is not h for h in held)]
             try:
                 t0 = time.perf_counter()
                 with self.engine.lock:
                     self._run(batch)
+                ops = tuple(f"{i.request.get('op')}:{i.request.get('adapter', i.request.get('what', ''))}"
+                            for i in batch)
+                self.cycles.append(ops)
                 if os.environ.get("TINKER_WORKER_TRACE"):
-                    ops = ",".join(f"{i.request.get('op')}:{i.request.get('adapter', i.request.get('what', ''))}"
-                                   for i in batch)
-                    print(f"worker: {time.perf_counter() - t0:.3f}s {ops}", file=self.log, flush=True)
+                    print(f"worker: {time.perf_counter() - t0:.3f}s {','.join(ops)}"
+                          + (f" (holding {len(held)} samples)" if held else ""), file=self.log, flush=True)
             except Exception as e:  # a bug must not kill the worker: report it to the callers
                 traceback.print_exc(file=self.log)
                 for item in batch:
@@ -208,6 +238,20 @@ class WorkerServer:
                 if item.reply is None:
                     item.reply = {"ok": True, "result": None}
                 item.done.set()
+
+    def _hold(self, batch: list[_Item]) -> tuple[list[_Item], set[int]]:
+        """The `sample` calls of `batch` to hold for a later cycle, and the clients whose next
+        calls the hold waits for: those with other work in this cycle (none when batching is off,
+        `hold_s` is 0, or the cycle has no other work)."""
+        if not (self.engine.cfg.batching and self.hold_s > 0):
+            return [], set()
+        others = {i.client for i in batch if i.request.get("op") not in ("sample", *_NOT_WORK)}
+        held = [i for i in batch if i.request.get("op") == "sample" and i.holds < MAX_HOLDS and i.client not in others]
+        if not (held and others):
+            return [], set()
+        for i in held:
+            i.holds += 1
+        return held, others
 
     def _run(self, batch: list[_Item]) -> None:
         e = self.engine

@@ -1,0 +1,86 @@
+"""The worker's cycles keep experiments' samples together: a `sample` call that meets other
+clients' other calls is held until those clients sample too (at most `MAX_HOLDS` cycles)."""
+
+import threading
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from tinker_pipelines.learner import LearnerConfig
+from tinker_pipelines.models import load_model, stop_token_ids
+from tinker_pipelines.worker.client import WorkerClient
+from tinker_pipelines.worker.engine import Engine, EngineConfig
+from tinker_pipelines.worker.server import MAX_HOLDS, WorkerServer
+
+LEARNER = asdict(LearnerConfig(mode="lora"))
+
+
+def _sample(client: WorkerClient, adapter: str) -> list:
+    state = torch.Generator().manual_seed(7).get_state().numpy().tobytes()
+    return client.request("sample", adapter, adapter=adapter, prompts=[[5, 6, 7], [8, 9]], max_new_tokens=4,
+                          temperature=1.0, generator_state=state)["samples"]
+
+
+@pytest.fixture
+def server(tmp_path, request):
+    model, tok = load_model("tiny", seed=0)
+    model.requires_grad_(False)
+    engine = Engine(model, tok.pad_token_id, stop_token_ids(tok), "tiny(seed=0)", EngineConfig(), tokenizer=tok)
+    # a long window: both clients' first calls meet in one cycle however the threads are scheduled
+    s = WorkerServer(engine, tmp_path / "w.sock", window_s=1.0, hold_s=request.param)
+    s.start()
+    yield s
+    s.stop()
+
+
+def _cycle_of(server: WorkerServer, op: str) -> int:
+    return next(k for k, ops in enumerate(server.cycles) if op in ops)
+
+
+@pytest.mark.parametrize("server", [5.0, 0.0], indirect=True, ids=["hold", "no hold"])
+def test_a_sample_waits_for_a_client_busy_with_another_call(server):
+    a, b = WorkerClient(server.address), WorkerClient(server.address)
+    a.request("create", name="a", learner=LEARNER, seed=1)
+    out = {}
+    ta = threading.Thread(target=lambda: out.setdefault("a", _sample(a, "a")))
+
+    def b_claims_then_samples():  # as a step process does: create (claim) its adapter, then sample
+        b.request("create", name="b", learner=LEARNER, seed=2)
+        out["b"] = _sample(b, "b")
+
+    tb = threading.Thread(target=b_claims_then_samples)
+    ta.start(), tb.start()
+    ta.join(30), tb.join(30)
+    together = any("sample:a" in ops and "sample:b" in ops for ops in server.cycles)
+    assert together == (server.hold_s > 0), list(server.cycles)
+    assert out["a"] == _sample(a, "a")  # held or not, alone or batched: the same samples
+    a.close(), b.close()
+
+
+@pytest.mark.parametrize("server", [5.0], indirect=True)
+def test_a_sample_is_held_at_most_max_holds_cycles(server):
+    a, b = WorkerClient(server.address), WorkerClient(server.address)
+    a.request("create", name="a", learner=LEARNER, seed=1)
+    started, stop = threading.Event(), threading.Event()
+
+    def b_never_samples():
+        k = 0
+        while not stop.is_set():
+            b.request("create", name=f"b{k}", learner=LEARNER, seed=k)
+            started.set()
+            k += 1
+
+    tb = threading.Thread(target=b_never_samples)
+    tb.start()
+    assert started.wait(30)
+    before = len(server.cycles)
+    ta = threading.Thread(target=_sample, args=(a, "a"))
+    ta.start()
+    ta.join(60)  # held forever, it would still be waiting
+    stop.set()
+    tb.join(30)
+    assert not ta.is_alive()
+    waited = _cycle_of(server, "sample:a") - before  # cycles of b's alone while a's sample was held
+    assert MAX_HOLDS <= waited <= MAX_HOLDS + 1, list(server.cycles)
+    a.close(), b.close()

@@ -13,9 +13,9 @@ few samples with other clients' training calls, and the mixed batches stay small
 multi_lora`'s trace: two samples per cycle of four clients). So a cycle that has both `sample`
 calls and other clients' other calls runs the others and holds its samples (`hold_s`): the next
 cycle waits up to `hold_s` for those clients' next calls, and their samples join the held ones
-in one batch. A sample is held at most `MAX_HOLDS` cycles, and only while the worker has other
-work to run, so holding delays a caller but never leaves the device idle for longer than
-`hold_s`. The numbers are the same either way (each row's samples do not depend on its batch).
+in one batch. A sample is held only in a cycle that has other work to run, and at most
+`MAX_HOLDS` cycles; each wait after such a cycle leaves the device idle for `hold_s` at most. The
+numbers are the same either way (each row's samples do not depend on its batch).
 """
 
 from __future__ import annotations

@@ -84,3 +84,12 @@ def test_a_sample_is_held_at_most_max_holds_cycles(server):
     waited = _cycle_of(server, "sample:a") - before  # cycles of b's alone while a's sample was held
     assert MAX_HOLDS <= waited <= MAX_HOLDS + 1, list(server.cycles)
     a.close(), b.close()
+
+
+@pytest.mark.parametrize("flag", ["--hold-ms", "--window-ms"])
+def test_a_negative_wait_is_refused(flag):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "tinker_pipelines", "worker", flag, "-1"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {flag} must be >= 0, got -1"

@@ -281,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the batching workers' --max-train-rows (0: experiments never share a training pass)")
     parser.add_argument("--window-ms", type=float, default=None,
                         help="the workers' --window-ms (how long a cycle waits for the other clients)")
+    parser.add_argument("--hold-ms", type=float, default=None,
+                        help="the workers' --hold-ms (how long held samples wait for co-tenants to sample; 0: none)")
     parser.add_argument("--trace", action="store_true", help="workers log each cycle (TINKER_WORKER_TRACE=1)")
     args = parser.parse_args(argv)
     if args.trace:
@@ -301,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         share = ["--max-train-rows", str(args.max_train_rows)]
         if args.window_ms is not None:
             share += ["--window-ms", str(args.window_ms)]
+        if args.hold_ms is not None:
+            share += ["--hold-ms", str(args.hold_ms)]
         for kind, extra in (("solo", share), ("shared", share), ("unbatched", ["--no-batching"])):
             address = str(out / f"{kind}.sock")
             workers[kind] = (address, start_worker(args.model, address, device=DEVICE, dtype="float32",
@@ -365,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                       "ceiling_sampling_gain": round(ceiling["sampling_gain"], 3),
                       "ceiling_training_gain": round(ceiling["training_gain"], 3), "identical": identical,
                       "identical_exact": identical_exact, "max_train_rows": args.max_train_rows,
-                      "window_ms": args.window_ms,
+                      "window_ms": args.window_ms, "hold_ms": args.hold_ms,
                       "identical_exact_unbatched": exact,
                       "separate_processes_memory_ratio": round(separate_rss / solo_rss, 3),
                       "model": args.model, "iterations": args.iterations,

@@ -8,8 +8,8 @@ agreement with it.
   in the same process. Plotted to a PNG (tokens/s and peak fraction against batch size).
 - Ceiling: for each batch size, the decode step's weight matmuls alone, each the faster of torch's
   `x @ W^T` and `(W @ x^T)^T`, with the projections our decoder fuses fused (q/k/v, gate/up), and
-  timed back to back: torch's own kernels at that row count, without attention, sampling or
-  Python. Its peak fraction bounds what any decoder built on those kernels reaches.
+  timed in one pass over all the weights per form (each weight read from memory, as in decode):
+  torch's own kernels at that row count, without attention, sampling or Python. Its peak fraction bounds what any decoder built on those kernels reaches.
 - Greedy: the same prompts at temperature 0 through our sampler and `generate(do_sample=False)`
   with its raw logits: every row's tokens must be equal, and our reported logprobs (log_softmax
   at temperature 1 of the chosen token) are compared with HF's.
@@ -114,7 +114,7 @@ def matmul_ceiling(model, batches: list[int], peak_gflops: float, repeats: int =
     with torch.inference_mode():
         for B in batches:
             x = torch.randn(B, max(w.shape[1] for w in weights), dtype=weights[0].dtype, device=weights[0].device)
-            forms = ([lambda w, x=x: x[:, :w.shape[1]] @ w.t(), lambda w, x=x: (w @ x[:, :w.shape[1]].t()).t()])
+            forms = [lambda w, x=x: x[:, :w.shape[1]] @ w.t(), lambda w, x=x: (w @ x[:, :w.shape[1]].t()).t()]
             best_s = [[float("inf")] * len(forms) for _ in weights]
             for _ in range(repeats + 1):  # the first round warms up
                 for f, form in enumerate(forms):  # a pass per form: each weight comes from memory, as in decode

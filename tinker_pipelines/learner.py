@@ -189,6 +189,11 @@ class Learner:
         if self.cfg.mode == "lora" and self.model.active_adapter != self.adapter_name:
             self.model.set_adapter(self.adapter_name)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the policy computes in (its base weights'; `TrainingClient.dtype`)."""
+        return self.model.get_input_embeddings().weight.dtype
+
     def _logprobs(self, model: torch.nn.Module, padded: _Padded, only_weighted: bool = True) -> torch.Tensor:
         """Logprobs of the targets, [B, T] (see `_forward`)."""
         return self._forward(model, padded, only_weighted)[0]

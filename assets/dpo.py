@@ -101,7 +101,7 @@ def dpo_checkpoint(context: dg.AssetExecutionContext, artifact_store: ArtifactSt
     start = time.perf_counter()
     exp = _experiment(cfg, store, name)
     exp.start_rl()
-    before = {**pair_metrics(exp.learner, pairs, cfg.dpo.beta), **exp.evaluate()}
+    before = {**pair_metrics(exp.local_learner(), pairs, cfg.dpo.beta), **exp.evaluate()}
 
     def on_step(m: dict[str, float]) -> None:
         if int(m["iteration"]) % 10 == 0:

@@ -155,7 +155,7 @@ def _train_mode(cfg_dict: dict, target: float, queue) -> None:
     queue.put({"mode": cfg.training.mode, "before": before, "after": m["eval/reward_mean"], "curve": curve,
                "time_to_target_s": reached, "train_s": elapsed, "peak_mb": max(peaks.values()), "peaks_mb": peaks,
                "memory": "gpu allocated" if _on_gpu() else "resident",
-               "trainable": sum(p.numel() for p in exp.learner.params)})
+               "trainable": sum(p.numel() for p in exp.local_learner().params)})
 
 
 def run_tools(seed: int, iterations: int, eval_tasks: int, target: float, gradient_checkpointing: bool = True,

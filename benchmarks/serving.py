@@ -61,7 +61,7 @@ def register_versions(n: int, model: str = "tiny") -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(n):
             with torch.no_grad():
-                for name, p in exp.learner.model.named_parameters():
+                for name, p in exp.local_learner().model.named_parameters():
                     if "lora_B" in name:
                         p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
             path = Path(tmp) / f"iter_{k}"

@@ -4,6 +4,8 @@
 (rollouts are seeded identically) and trains on its contiguous shard; each micro-batch's loss
 is scaled by its share of the WHOLE batch (the plain learner's token or sequence share) times
 the world size, so DeepSpeed's average over ranks is the single-process `Learner`'s gradient.
+The loss-and-gradient path is the plain learner's (`training.gradient`), with the engine's
+forward and `engine.backward`.
 Clipping (`gradient_clipping`) and AdamW (`torch_adam: true`) are DeepSpeed's, with the
 learner's hyper-parameters: the same arithmetic as `clip_grad_norm_` and `torch.optim.AdamW`.
 
@@ -28,22 +30,25 @@ re-exported here.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from tinker_pipelines import checkpoint as ckpt
-from tinker_pipelines.algorithms.losses import LossConfig, LossFn, loss_normalization, micro_batch_share
+from tinker_pipelines.algorithms.losses import LossConfig, LossFn
 from tinker_pipelines.distributed import _deepspeed, init_process_group, is_main_process
-from tinker_pipelines.learner import Learner, LearnerConfig, ValueHead, _Padded, loss_batch, pad_datums
+from tinker_pipelines.learner import Learner, LearnerConfig, ValueHead
 from tinker_pipelines.learner_checkpoint import VALUE_HEAD_FILE
+from tinker_pipelines.padding import _Padded, pad_datums
 from tinker_pipelines.prefix_sharing import plan_prefix_sharing, supports_prefix_sharing
+from tinker_pipelines.training.gradient import Account, LossSpan, Pass, accumulate_gradients
 from tinker_pipelines.types import Datum
 
 __all__ = ["DeepSpeedLearner", "init_process_group", "is_main_process", "shard_datums"]
@@ -163,35 +168,37 @@ class DeepSpeedLearner(Learner):
             raise RuntimeError(f"ranks got different datums ({[n for n, _ in fingerprints]} datums): every rank "
                                "must pass the same batch (seed rollouts identically)")
         total_w = sum(sum(d.weights) for d in datums)
-        shard = shard_datums(datums, self.rank, self.world, self.cfg.micro_batch_size)
-        mb = self.cfg.micro_batch_size
-        totals: dict[str, float] = {}
-        for i in range(shard.micro_batches):
-            chunk = shard.datums[i * mb:(i + 1) * mb]
-            padding = not chunk  # this rank's shard is shorter: same collectives, no gradient
-            padded = _to_device(pad_datums(chunk or datums[:1], self.pad_token_id), self.device)
-            weights_BT = padded.fields["weights"]
-            ref_BT = self.reference_of(padded)
-            lp_BT, values_BT = self.engine(padded, values=self.value_head is not None,
-                                           share_prefix=self._all_share_prefix(padded))
-            batch = loss_batch(padded.fields, ref_BT, values_BT)
-            loss, metrics = loss_fn(lp_BT, batch, loss_cfg)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite loss {loss.item()} at learner step {self.steps}")
-            # The plain learner's share of the whole batch; x world because DeepSpeed averages ranks.
-            share = 0.0 if padding else micro_batch_share(loss_normalization(loss_fn, loss_cfg),
-                                                          float(weights_BT.sum()), total_w, len(chunk), len(datums))
-            self.engine.backward(loss * (share * self.world))
-            for k, v in {"loss": loss.item(), **metrics}.items():
-                totals[k] = totals.get(k, 0.0) + v * share
+        tally = Account()
+        accumulate_gradients(self._shard_passes(datums, loss_fn, loss_cfg, total_w, tally), self.engine.backward)
         gathered: list[dict[str, float]] = [{}] * self.world
-        torch.distributed.all_gather_object(gathered, totals)
+        torch.distributed.all_gather_object(gathered, tally.totals)
         out: dict[str, float] = {}
         for part in gathered:  # rank order: every rank adds in the same order, same floats
             for k, v in part.items():
                 out[k] = out.get(k, 0.0) + v
         out["trained_tokens"] = total_w
         return out
+
+    def _shard_passes(self, datums: list[Datum], loss_fn: LossFn, loss_cfg: LossConfig, total_w: float,
+                      tally: Account) -> Iterator[Pass]:
+        """This rank's passes: one per micro-batch of its shard, as many as every rank runs (a
+        shorter shard ends with weight-0 `filler` passes over a datum, for the same collectives).
+        Each loss is scaled by the plain learner's share of the whole batch, x world because
+        DeepSpeed averages the ranks' gradients."""
+        shard = shard_datums(datums, self.rank, self.world, self.cfg.micro_batch_size)
+        mb = self.cfg.micro_batch_size
+        for i in range(shard.micro_batches):
+            chunk = shard.datums[i * mb:(i + 1) * mb]
+            padded = _to_device(pad_datums(chunk or datums[:1], self.pad_token_id), self.device)
+            span = LossSpan(0, len(chunk or datums[:1]), loss_fn, loss_cfg, total_w, len(datums), self.steps, tally,
+                            needs_reference=self.cfg.needs_reference, values=self.value_head is not None,
+                            grad_scale=float(self.world), filler=not chunk)
+            yield Pass(padded, [span], functools.partial(self._engine_forward, padded),
+                       functools.partial(self.reference_logprobs, padded))
+
+    def _engine_forward(self, padded: _Padded) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The trained module's forward (collective: the shared-prefix forward only when every rank takes it)."""
+        return self.engine(padded, values=self.value_head is not None, share_prefix=self._all_share_prefix(padded))
 
     def _all_share_prefix(self, padded: _Padded) -> bool:
         """Whether every rank's micro-batch takes the shared-prefix forward (collective). ZeRO

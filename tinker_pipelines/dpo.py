@@ -102,7 +102,7 @@ def run_dpo(exp: Experiment, pairs: list[PreferencePair], on_step: OnMetrics | N
         exp.iteration = step + 1
         last = step + 1 == d.steps
         if last:
-            metrics.update(pair_metrics(learner, pairs, d.beta, datums))
+            metrics.update(pair_metrics(exp.local_learner(), pairs, d.beta, datums))
         if evaluate and eval_due(step, exp.cfg.eval.every, d.steps):
             metrics.update(exp.evaluate())
         history.append(metrics)
@@ -145,7 +145,7 @@ def train_dpo(cfg: Config, on_iteration: OnMetrics | None = None,
 
     before = {"iteration": -1.0, "tasks_sampled": float(tasks),
               **{f"data/{k}": v for k, v in summarize_pairs(pairs).items()},
-              **pair_metrics(exp.learner, pairs, cfg.dpo.beta)}
+              **pair_metrics(exp.local_learner(), pairs, cfg.dpo.beta)}
     record({**before, **exp.evaluate()})
     history = run_dpo(exp, pairs, record)
     exp.save(out / "checkpoints" / "dpo", history[-1])

@@ -30,10 +30,11 @@ from tinker_pipelines.models import base_identity, load_model, load_tokenizer, s
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes, run_groups
 from tinker_pipelines.rollout.sampler import Sampler
 from tinker_pipelines.schedule_rules import eval_due
+from tinker_pipelines.training.interface import TrainingClient
 from tinker_pipelines.types import Datum, TrajectoryGroup
 
 if TYPE_CHECKING:
-    from tinker_pipelines.worker.client import RemoteSampler, WorkerClient
+    from tinker_pipelines.worker.client import RemoteLearner, RemoteSampler, WorkerClient
 
 EVAL_SEED_OFFSET = 10_000_000
 
@@ -94,7 +95,13 @@ class Experiment:
             model, tokenizer = load_model(m.name, seed=cfg.seed if m.seed is None else m.seed, dtype=m.dtype,
                                           device=m.device, **m.kwargs)
         self.base_model, self.tokenizer = model, tokenizer
-        self.learner: Learner | None = None
+        self.learner: TrainingClient | None = None
+        """The RL learner (`start_rl`): in-process, DeepSpeed or on a worker; the stages use only
+        its `TrainingClient` interface."""
+        self._local: Learner | None = None
+        """The same learner when its modules live in this process (`local_learner`)."""
+        self._remote: RemoteLearner | None = None
+        """The same learner when it is an adapter on a worker (parking)."""
         self.iteration = 0
         a = cfg.algorithm
         normalization = self.algorithm.normalization or a.normalization or "sequence"
@@ -174,7 +181,7 @@ class Experiment:
         dtype = resolve_dtype(self.cfg.model.dtype, device)
         self.base_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
 
-    def start_rl(self, adapter_path: str | Path | None = None, claim: str | None = None) -> Learner:
+    def start_rl(self, adapter_path: str | Path | None = None, claim: str | None = None) -> TrainingClient:
         """Build the RL learner over the (possibly warm-started) base model. On a worker, `claim`
         (`state_tag`) takes over the adapter a previous holder parked in that state, if any."""
         t = self.cfg.training
@@ -196,27 +203,41 @@ class Experiment:
 
             if adapter_path is not None:
                 raise ConfigError("an adapter_path is loaded with resume() on a worker")
-            self.learner = RemoteLearner(self.worker, self.name, lcfg, seed=self.cfg.seed, base_name=self.cfg.model.name,
-                                         claim=claim)
+            self.learner = self._remote = RemoteLearner(self.worker, self.name, lcfg, seed=self.cfg.seed,
+                                                        base_name=self.cfg.model.name, claim=claim)
             return self.learner
         if t.deepspeed.stage > 0:  # ZeRO data parallel over torchrun's ranks; deepspeed is imported only here
             from tinker_pipelines.deepspeed_learner import DeepSpeedLearner
 
             if adapter_path is not None:
                 raise ConfigError("training.deepspeed trains every parameter: there is no adapter_path to load")
-            self.learner = DeepSpeedLearner(self.base_model, lcfg, self.tokenizer.pad_token_id,
-                                            base_name=self.cfg.model.name, stage=t.deepspeed.stage,
-                                            offload_optimizer=t.deepspeed.offload_optimizer,
-                                            zero_overrides=dict(t.deepspeed.zero_overrides))
+            self.learner = self._local = DeepSpeedLearner(self.base_model, lcfg, self.tokenizer.pad_token_id,
+                                                          base_name=self.cfg.model.name, stage=t.deepspeed.stage,
+                                                          offload_optimizer=t.deepspeed.offload_optimizer,
+                                                          zero_overrides=dict(t.deepspeed.zero_overrides))
             return self.learner
-        self.learner = Learner(self.base_model, lcfg, self.tokenizer.pad_token_id,
-                               base_name=self.cfg.model.name, adapter_path=adapter_path,
-                               init_seed=self.cfg.seed if adapter_path is None else None)
+        self.learner = self._local = Learner(self.base_model, lcfg, self.tokenizer.pad_token_id,
+                                             base_name=self.cfg.model.name, adapter_path=adapter_path,
+                                             init_seed=self.cfg.seed if adapter_path is None else None)
         return self.learner
+
+    def local_learner(self) -> Learner:
+        """The RL learner as the in-process object it is (its modules), for what needs more than
+        `TrainingClient`: the local sampler's policy, DPO's pair metrics. Refused on a worker."""
+        if self.worker is not None:
+            raise ConfigError(f"experiment {self.name!r} trains on worker {self.worker.address}: its policy's "
+                              "modules live there, not in this process")
+        if self._local is None:
+            self.start_rl()
+        return self._local
 
     @property
     def policy(self) -> torch.nn.Module:
-        return self.learner.model if self.learner is not None else self.base_model
+        """The model the local sampler decodes with: the learner's (the adapter applied), else the base."""
+        if self.worker is not None:
+            raise ConfigError(f"experiment {self.name!r} samples on worker {self.worker.address}: its policy "
+                              "lives there")
+        return self._local.model if self._local is not None else self.base_model
 
     def sampler(self) -> "Sampler | RemoteSampler":
         if self.worker is not None:
@@ -316,18 +337,20 @@ class Experiment:
         `NEVER_SAVED` at 0), instead of rebuilding it from that checkpoint. False when none was
         parked in that state: the learner is then a fresh one (`resume` it from the checkpoint)."""
         self.start_rl(claim=state_tag(at, checkpoint_hash))
-        if not self.learner.claimed:
+        if self._remote is None:
+            raise ConfigError(f"experiment {self.name!r} runs in-process: there is no parked adapter to resume")
+        if not self._remote.claimed:
             return False
-        if self.learner.record is not None:
-            check_same_base(self.learner.record, self.sft_record, f"parked adapter {self.name!r}")
+        if self._remote.record is not None:
+            check_same_base(self._remote.record, self.sft_record, f"parked adapter {self.name!r}")
         self.iteration = at
         return True
 
     def park(self) -> bool:
         """On a worker: leave the adapter there for the next process of this experiment
         (`resume_parked`) when its state is the checkpoint it was last saved to or loaded from."""
-        learner = self.learner
-        if self.worker is None or learner is None or learner.saved_hash is None:
+        learner = self._remote
+        if learner is None or learner.saved_hash is None:
             return False
         return learner.park(state_tag(self.iteration, learner.saved_hash))
 
@@ -346,7 +369,7 @@ def state_tag(iteration: int, checkpoint_hash: str) -> str:
     return f"{iteration}:{checkpoint_hash}"
 
 
-def train_epochs(learner: "Learner", datums: list[Datum], loss_fn: LossFn, loss_cfg: LossConfig, epochs: int = 1,
+def train_epochs(learner: TrainingClient, datums: list[Datum], loss_fn: LossFn, loss_cfg: LossConfig, epochs: int = 1,
                  minibatches: int = 1, target_kl: float | None = None, seed: int = 0) -> list[list[dict[str, float]]]:
     """PPO's update loop over one scored rollout; returns each pass's per-minibatch metrics.
 

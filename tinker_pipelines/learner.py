@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -24,12 +25,13 @@ from transformers import PreTrainedModel
 
 from tinker_pipelines import learner_checkpoint
 from tinker_pipelines.activation_checkpointing import checkpointed_layers
-from tinker_pipelines.algorithms.losses import LossConfig, LossFn, loss_normalization, micro_batch_share
+from tinker_pipelines.algorithms.losses import LossConfig, LossFn
 from tinker_pipelines.lora_linear import adapters_disabled, fuse_lora_layers
 from tinker_pipelines.padding import _Padded, loss_batch, pad_datums
 from tinker_pipelines.prefix_sharing import (PrefixPlan, plan_prefix_sharing, shared_prefix_forward,
                                              supports_prefix_sharing)
 from tinker_pipelines.rollout.truncation import check_params, target_logprobs
+from tinker_pipelines.training.gradient import Account, LossSpan, Pass, accumulate_gradients, micro_batches
 from tinker_pipelines.types import Datum
 
 
@@ -189,6 +191,11 @@ class Learner:
         if self.cfg.mode == "lora" and self.model.active_adapter != self.adapter_name:
             self.model.set_adapter(self.adapter_name)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the policy computes in (its base weights'; `TrainingClient.dtype`)."""
+        return self.model.get_input_embeddings().weight.dtype
+
     def _logprobs(self, model: torch.nn.Module, padded: _Padded, only_weighted: bool = True) -> torch.Tensor:
         """Logprobs of the targets, [B, T] (see `_forward`)."""
         return self._forward(model, padded, only_weighted)[0]
@@ -257,15 +264,6 @@ class Learner:
             raise RuntimeError("full-parameter learner was built without a reference (needs_reference=False)")
         return self._forward(self.reference, padded, sampled_support=False)[0]
 
-    def reference_of(self, padded: _Padded) -> torch.Tensor | None:
-        """A training micro-batch's reference logprobs: the datums' own when they carry them
-        (`compute_reference_logprobs` at scoring time), else computed now; None without a KL
-        reference."""
-        if not self.cfg.needs_reference:
-            return None
-        own = padded.own_reference()
-        return own if own is not None else self.reference_logprobs(padded)
-
     @torch.no_grad()
     def compute_reference_logprobs(self, datums: list[Datum]) -> list[list[float]]:
         """The reference policy's logprob of every target token, per datum (0 before the first
@@ -306,31 +304,30 @@ class Learner:
 
     def forward_backward(self, datums: list[Datum], loss_fn: LossFn,
                          loss_cfg: LossConfig = LossConfig()) -> dict[str, float]:
-        """Accumulate the gradient of `loss_fn` over `datums`; returns averaged metrics."""
+        """Accumulate the gradient of `loss_fn` over `datums`, one pass of `training.gradient` per
+        micro-batch; returns the batch's metrics. A non-finite loss discards the call's gradient."""
         if not datums:
             raise ValueError("forward_backward needs at least one datum")
         self.activate()
         total_w = sum(sum(d.weights) for d in datums)
-        totals: dict[str, float] = {}
-        mb, normalization = self.cfg.micro_batch_size, loss_normalization(loss_fn, loss_cfg)
-        for start in range(0, len(datums), mb):
-            chunk = datums[start:start + mb]
+        tally = Account()
+        try:
+            accumulate_gradients(self._passes(datums, loss_fn, loss_cfg, total_w, tally))
+        except FloatingPointError:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        tally.totals["trained_tokens"] = total_w
+        return tally.totals
+
+    def _passes(self, datums: list[Datum], loss_fn: LossFn, loss_cfg: LossConfig, total_w: float,
+                tally: Account) -> Iterator[Pass]:
+        """One pass per micro-batch, padded as it is reached (one micro-batch's tensors at a time)."""
+        for chunk in micro_batches(datums, self.cfg.micro_batch_size):
             padded = pad_datums(chunk, self.pad_token_id, self.device)
-            weights_BT = padded.fields["weights"]
-            ref_BT = self.reference_of(padded)
-            lp_BT, values_BT = self._forward(self.model, padded, values=self.value_head is not None)
-            batch = loss_batch(padded.fields, ref_BT, values_BT)
-            loss, metrics = loss_fn(lp_BT, batch, loss_cfg)
-            if not torch.isfinite(loss):
-                self.optimizer.zero_grad(set_to_none=True)
-                raise FloatingPointError(f"non-finite loss {loss.item()} at learner step {self.steps}")
-            # so that micro-batching does not change the gradient of the whole batch's loss
-            share = micro_batch_share(normalization, float(weights_BT.sum()), total_w, len(chunk), len(datums))
-            (loss * share).backward()
-            for k, v in {"loss": loss.item(), **metrics}.items():
-                totals[k] = totals.get(k, 0.0) + v * share
-        totals["trained_tokens"] = total_w
-        return totals
+            span = LossSpan(0, len(chunk), loss_fn, loss_cfg, total_w, len(datums), self.steps, tally,
+                            needs_reference=self.cfg.needs_reference, values=self.value_head is not None)
+            yield Pass(padded, [span], functools.partial(self._forward, self.model, padded, values=span.values),
+                       functools.partial(self.reference_logprobs, padded))
 
     def optim_step(self) -> dict[str, float]:
         """Apply the accumulated gradient; returns the pre-clip gradient norm."""

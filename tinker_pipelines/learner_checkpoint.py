@@ -1,4 +1,5 @@
-"""A learner's checkpoints: write, verify and restore them (`Learner.save_state` and friends).
+"""A learner's checkpoints: write, verify and restore them (`Learner.save_state` and friends),
+through `training.interface.ResidentLearner`.
 
 A checkpoint directory holds the adapter (`adapter_model.safetensors` + PEFT's config, loadable
 with `PeftModel.from_pretrained`) or the full weights (`save_pretrained`), the value head where
@@ -17,14 +18,14 @@ from safetensors.torch import load_file, save_file
 
 from tinker_pipelines import checkpoint as ckpt
 
-if TYPE_CHECKING:
-    from tinker_pipelines.learner import Learner
+if TYPE_CHECKING:  # the checkpoint sees a learner through this view, not `learner.Learner` (which imports it)
+    from tinker_pipelines.training.interface import ResidentLearner
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 """The value head's weights, beside the adapter or the model's."""
 
 
-def save_state(learner: Learner, path: str | Path, record: dict[str, Any] | None = None,
+def save_state(learner: ResidentLearner, path: str | Path, record: dict[str, Any] | None = None,
                extra_rng: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write a checkpoint atomically; returns its record (with the content hash)."""
     with ckpt.atomic_directory(path) as tmp:
@@ -48,7 +49,7 @@ def save_state(learner: Learner, path: str | Path, record: dict[str, Any] | None
 
 
 @torch.no_grad()
-def verify(learner: Learner, path: str | Path, probe_tokens: list[int]) -> dict[str, Any]:
+def verify(learner: ResidentLearner, path: str | Path, probe_tokens: list[int]) -> dict[str, Any]:
     """Check a checkpoint `learner` wrote without loading a second model: its weight files
     match the recorded content hash, load with safetensors, and every tensor equals the
     resident one bit for bit (so a policy loaded from them is the learner's), whose logits on
@@ -76,7 +77,7 @@ def verify(learner: Learner, path: str | Path, probe_tokens: list[int]) -> dict[
             "unexpected": unexpected}
 
 
-def load_state(learner: Learner, path: str | Path) -> dict[str, Any]:
+def load_state(learner: ResidentLearner, path: str | Path) -> dict[str, Any]:
     """Restore weights, optimizer and RNG states from `save_state`; returns the record."""
     path = Path(path)
     record = ckpt.read_record(path)
@@ -95,7 +96,7 @@ def load_state(learner: Learner, path: str | Path) -> dict[str, Any]:
     return record
 
 
-def _load_tensors(learner: Learner, path: Path) -> None:
+def _load_tensors(learner: ResidentLearner, path: Path) -> None:
     if learner.value_head is not None:
         if not (path / VALUE_HEAD_FILE).exists():
             raise ckpt.CheckpointError(f"checkpoint {path} has no {VALUE_HEAD_FILE}, but this learner trains a "

@@ -11,7 +11,7 @@ experiments' LoRA adapters, each with its own optimizer, RNG, value head and ste
 Only token ids, logprobs, advantages and file paths cross the socket, never weights.
 """
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Bumped whenever a request or reply changes shape; a client of another version is refused."""
 
 

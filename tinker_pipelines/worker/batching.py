@@ -15,17 +15,18 @@ inside its base output and writes its input gradient once (`lora_linear`): no co
 from __future__ import annotations
 
 import contextlib
-import math
 import types
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
-from tinker_pipelines.algorithms.losses import LossConfig, LossFn, loss_normalization, micro_batch_share
-from tinker_pipelines.learner import Learner, loss_batch, pad_datums
+from tinker_pipelines.algorithms.losses import LossConfig, LossFn
+from tinker_pipelines.learner import Learner
 from tinker_pipelines.lora_linear import adapters_disabled, lora_linear
+from tinker_pipelines.padding import _Padded, pad_datums
 from tinker_pipelines.prefix_sharing import PrefixPlan, plan_prefix_sharing, supports_prefix_sharing
+from tinker_pipelines.training.gradient import LossSpan, Pass, accumulate_gradients, micro_batches
 from tinker_pipelines.types import Datum
 
 Segments = list[tuple[int, int, str | None]]
@@ -92,7 +93,7 @@ class _SegmentHeads(torch.nn.Module):
 
 @dataclass
 class FBJob:
-    """One experiment's pending `forward_backward` call."""
+    """One experiment's pending `forward_backward` call (a `training.gradient.Tally`)."""
 
     learner: Learner
     """The experiment's learner (a LoRA adapter on the shared base)."""
@@ -111,8 +112,7 @@ class FBJob:
 
 
 def _pieces(job: FBJob) -> list[list[Datum]]:
-    mb = job.learner.cfg.micro_batch_size  # the same micro-batches as the experiment alone
-    return [job.datums[i:i + mb] for i in range(0, len(job.datums), mb)]
+    return micro_batches(job.datums, job.learner.cfg.micro_batch_size)  # the same micro-batches as alone
 
 
 def forward_backward_together(jobs: list[FBJob], max_rows: int = 0) -> list[FBJob]:
@@ -139,8 +139,9 @@ def forward_backward_together(jobs: list[FBJob], max_rows: int = 0) -> list[FBJo
     for job in jobs:
         job.totals = {}
         job.total_w = sum(sum(d.weights) for d in job.datums)
-    for members in passes:
-        _one_pass(model, [(j, c) for j, c in members if j.error is None])
+    # lazily: a job that failed in a pass leaves the later ones
+    live = ([(j, c) for j, c in members if j.error is None] for members in passes)
+    accumulate_gradients((_one_pass(model, members) for members in live if members), fail_fast=False)
     for job in jobs:
         if job.error is not None:
             for p in job.learner.params:
@@ -158,68 +159,64 @@ def _row_truncation(cfgs: list, device: torch.device) -> tuple:
     return tuple(torch.tensor(col, device=device)[:, None] for col in zip(*params))
 
 
-def _one_pass(model: torch.nn.Module, members: list[tuple[FBJob, list[Datum]]]) -> None:
-    if not members:
-        return
+def _one_pass(model: torch.nn.Module, members: list[tuple[FBJob, list[Datum]]]) -> Pass:
+    """One base pass over the members' rows (`training.gradient.Pass`): each member's
+    micro-batch is a span with its own loss, share and error, its rows through its own adapter."""
     lead = members[0][0].learner  # settings that are per pass: those of its members (all, for prefix sharing)
     datums = [d for _, chunk in members for d in chunk]
     padded = pad_datums(datums, lead.pad_token_id, lead.device)
-    bounds, row = [], 0
-    for job, chunk in members:
-        bounds.append((row, row + len(chunk), job))
+    spans, row = [], 0
+    for job, chunk in members:  # a job may hold several spans of a pass
+        lr = job.learner
+        spans.append(LossSpan(row, row + len(chunk), job.loss_fn, job.loss_cfg, job.total_w, len(job.datums),
+                              lr.steps, job, needs_reference=lr.cfg.needs_reference, values=lr.value_head is not None))
         row += len(chunk)
     temp_B11 = torch.tensor([j.learner.cfg.temperature for j, c in members for _ in c],
                             device=lead.device)[:, None, None]
     truncation = _row_truncation([j.learner.cfg for j, c in members for _ in c], lead.device)
-    plan: PrefixPlan | None = None
-    layouts: dict[int, Segments] = {len(datums): [(s, e, j.learner.adapter_name) for s, e, j in bounds]}
-    if all(j.learner.cfg.share_prefix for j, _ in members) and supports_prefix_sharing(model):
-        plan = plan_prefix_sharing(padded.inputs_BT, padded.mask_BT, padded.fields["weights"],
-                                   breaks=frozenset(s for s, _, _ in bounds))
-        if plan is not None:  # prefix rows are ordered like their runs, so experiments stay contiguous
-            first_row_P = [plan.run_B.tolist().index(p) for p in range(len(plan.prefix_len_P))]
-            owner = [next(j for s, e, j in bounds if s <= r < e) for r in first_row_P]
-            segs, start = [], 0
-            for p in range(1, len(owner) + 1):
-                if p == len(owner) or owner[p] is not owner[start]:
-                    segs.append((start, p, owner[start].learner.adapter_name))
-                    start = p
-            layouts[len(owner)] = segs
-    # a job whose datums carry their reference logprobs (scored for several passes) uses those
-    own_refs = [padded.own_reference(s, e) for s, e, _ in bounds]  # a job may hold several spans of a pass
-    needs_ref = any(j.learner.cfg.needs_reference and own is None for (_, _, j), own in zip(bounds, own_refs))
-    ref_BT = None
-    if needs_ref:
-        with torch.no_grad(), adapters_disabled(model):
-            ref_BT = lead._forward(model, padded, temperature=temp_B11, truncation=truncation, head=None,
-                                  plan=plan, sampled_support=False)[0]
-    heads = [(s, e, j.learner.value_head) for s, e, j in bounds]
+    plan, layouts = _plan(model, padded, members, spans)
+    heads = [(s.start, s.end, j.learner.value_head) for s, (j, _) in zip(spans, members)]
     head = _SegmentHeads(heads) if any(h is not None for _, _, h in heads) else None
-    with adapters_disabled(model), row_adapters(model, layouts):
-        for j, _ in members:  # PEFT froze them: `set_adapter` of another adapter (and `disable_adapter`, the fallback)
-            for p in j.learner.params:
-                p.requires_grad_(True)
-        lp_BT, values_BT = lead._forward(model, padded, values=head is not None, temperature=temp_B11,
-                                         truncation=truncation, head=head, plan=plan)
-    total = None
-    for (s, e, job), own in zip(bounds, own_refs):
-        f = {k: v[s:e] for k, v in padded.fields.items()}
-        ref_SBT = None
-        if job.learner.cfg.needs_reference:
-            ref_SBT = own if own is not None else ref_BT[s:e]
-        batch = loss_batch(f, ref_SBT,
-                           values_BT[s:e] if job.learner.value_head is not None else None)
-        loss, metrics = job.loss_fn(lp_BT[s:e], batch, job.loss_cfg)
-        if not torch.isfinite(loss):
-            job.error = FloatingPointError(f"non-finite loss {loss.item()} at learner step {job.learner.steps}")
-            continue
-        share = micro_batch_share(loss_normalization(job.loss_fn, job.loss_cfg), float(f["weights"].sum()),
-                                  job.total_w, e - s, len(job.datums))
-        total = loss * share if total is None else total + loss * share
-        for k, v in {"loss": loss.item(), **metrics}.items():
-            job.totals[k] = job.totals.get(k, 0.0) + v * share
-    if total is not None and math.isfinite(total.item()):
-        for j, _ in members:  # leaving a fallback `disable_adapter` froze them again: a frozen leaf drops its gradient
-            for p in j.learner.params:
-                p.requires_grad_(True)
-        total.backward()
+
+    def reference() -> torch.Tensor:
+        with adapters_disabled(model):
+            return lead._forward(model, padded, temperature=temp_B11, truncation=truncation, head=None,
+                                 plan=plan, sampled_support=False)[0]
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
+        with adapters_disabled(model), row_adapters(model, layouts):
+            _thaw(members)  # PEFT froze them: `set_adapter` of another adapter (and `disable_adapter`, the fallback)
+            out = lead._forward(model, padded, values=head is not None, temperature=temp_B11,
+                                truncation=truncation, head=head, plan=plan)
+        _thaw(members)  # leaving a fallback `disable_adapter` froze them again: a frozen leaf drops its gradient
+        return out
+
+    return Pass(padded, spans, forward, reference)
+
+
+def _thaw(members: list[tuple[FBJob, list[Datum]]]) -> None:
+    for j, _ in members:
+        for p in j.learner.params:
+            p.requires_grad_(True)
+
+
+def _plan(model: torch.nn.Module, padded: _Padded, members: list[tuple[FBJob, list[Datum]]],
+          spans: list[LossSpan]) -> tuple[PrefixPlan | None, dict[int, Segments]]:
+    """The pass's shared-prefix plan (None: none, or not every member shares prefixes) and the
+    adapter layout of each batch size its forward runs (the rows; with a plan, the prefixes too)."""
+    layouts: dict[int, Segments] = {len(padded.inputs_BT): [(s.start, s.end, j.learner.adapter_name)
+                                                            for s, (j, _) in zip(spans, members)]}
+    if not (all(j.learner.cfg.share_prefix for j, _ in members) and supports_prefix_sharing(model)):
+        return None, layouts
+    plan = plan_prefix_sharing(padded.inputs_BT, padded.mask_BT, padded.fields["weights"],
+                               breaks=frozenset(s.start for s in spans))
+    if plan is not None:  # prefix rows are ordered like their runs, so experiments stay contiguous
+        first_row_P = [plan.run_B.tolist().index(p) for p in range(len(plan.prefix_len_P))]
+        owner = [next(j for s, (j, _) in zip(spans, members) if s.start <= r < s.end) for r in first_row_P]
+        segs, start = [], 0
+        for p in range(1, len(owner) + 1):
+            if p == len(owner) or owner[p] is not owner[start]:
+                segs.append((start, p, owner[start].learner.adapter_name))
+                start = p
+        layouts[len(owner)] = segs
+    return plan, layouts

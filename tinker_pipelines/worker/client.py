@@ -1,7 +1,7 @@
 """Thin clients of a resident worker: `WorkerClient`, `RemoteLearner`, `RemoteSampler`.
 
-`RemoteLearner` and `RemoteSampler` have the methods of `Learner` and `Sampler` that an
-`Experiment` uses, so the same experiment code trains in-process or on a worker; with batching
+`RemoteLearner` implements `training.interface.TrainingClient` and `RemoteSampler` has the
+methods of `Sampler` that an `Experiment` uses, so the same experiment code trains in-process or on a worker; with batching
 off, the worker computes exactly what the in-process engine does (same metrics, tested).
 """
 
@@ -90,17 +90,16 @@ NEVER_SAVED = "untrained"
 
 
 class RemoteLearner:
-    """An experiment's adapter on a worker, with `Learner`'s interface."""
-
-    model = None
-    value_head = None
+    """An experiment's adapter on a worker: a `TrainingClient` (`training.interface`) whose
+    modules stay on the worker."""
 
     def __init__(self, client: WorkerClient, name: str, cfg: LearnerConfig, seed: int, base_name: str = "",
                  claim: str | None = None):
         """Creates adapter `name` on the worker; with `claim`, takes over the adapter a previous
         holder parked there with that state tag instead, when there is one (`claimed`)."""
         self.client, self.adapter_name, self.cfg, self.base_name = client, name, cfg, base_name
-        self.device = torch.device("cpu")
+        self.device = torch.device(client.info["device"])  # a name: no tensor of the adapter lives here
+        self.dtype: torch.dtype = getattr(torch, client.info["dtype"])
         out = client.request("create", name, name=name, learner=asdict(cfg), seed=seed, base_name=base_name,
                              claim=claim)
         self.claimed: bool = bool(out.get("claimed"))

@@ -91,6 +91,11 @@ class Engine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the base computes in."""
+        return self.model.get_input_embeddings().weight.dtype
+
     # -- adapters ---------------------------------------------------------------------------
     def create(self, owner: int, name: str, learner: dict[str, Any], seed: int, base_name: str,
                algorithm: str = "", claim: str | None = None) -> dict[str, Any]:

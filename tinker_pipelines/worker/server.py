@@ -170,6 +170,7 @@ class WorkerServer:
             return
         e = self.engine
         _send(conn, {"ok": True, "result": {"protocol": PROTOCOL_VERSION, "base": e.base, "device": str(e.device),
+                                            "dtype": str(e.dtype).removeprefix("torch."),
                                             "batching": e.cfg.batching, "stop_token_ids": e.stop_token_ids,
                                             "pad_token_id": e.pad_token_id, "pid": os.getpid(),
                                             "max_context": e.sampler.max_context}})

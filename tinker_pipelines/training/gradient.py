@@ -1,0 +1,167 @@
+"""The one loss-and-gradient path, run by every learner and by the worker's shared passes.
+
+A *pass* (`Pass`) is one padded batch through the model: one learner's micro-batch, or on a
+worker the rows of several experiments' micro-batches over the shared base. Each `LossSpan` is
+one loss over a contiguous block of the pass's rows, with the settings of the
+`forward_backward` call it belongs to. For every pass, `accumulate_gradients` runs:
+
+1. the reference (`span_references`): rows that carry their own reference logprobs
+   (`Datum.reference_logprobs`) use them; the pass's reference forward runs once when a span
+   needs a reference its rows do not carry;
+2. the pass's forward: logprobs and values, [B, T];
+3. each span (`span_loss`): its loss, the finite check, its share of its whole batch
+   (`micro_batch_share`, so that micro-batching does not change the batch's gradient) and its
+   metrics weighted by that share;
+4. one backward of the sum of the spans' scaled losses (`loss.backward`, or DeepSpeed's
+   `engine.backward`: the caller passes it).
+
+The caller decides the passes and their callables, which is where the learners differ: the
+in-process learner runs one pass per micro-batch; `DeepSpeedLearner` runs the same number of
+passes on every rank (a weight-0 `filler` span where its shard is shorter) and takes the
+shared-prefix forward only when every rank does, both decided in its own forward, so its
+collectives line up; the worker puts several adapters' rows into one pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol
+
+import torch
+
+from tinker_pipelines.algorithms.losses import LossConfig, LossFn, loss_normalization, micro_batch_share
+from tinker_pipelines.padding import _Padded, loss_batch
+from tinker_pipelines.types import Datum
+
+Backward = Callable[[torch.Tensor], object]
+"""Backpropagates a pass's summed loss (`torch.Tensor.backward`, or a DeepSpeed engine's)."""
+
+
+class Tally(Protocol):
+    """Where one `forward_backward` call's results go: its metrics and why it failed."""
+
+    totals: dict[str, float]
+    error: BaseException | None
+
+
+@dataclass
+class Account:
+    """A `Tally` of its own (a learner's call; the worker's `FBJob` is one too)."""
+
+    totals: dict[str, float] = field(default_factory=dict)
+    """Metrics, each the sum over spans of the span's value times its share."""
+    error: BaseException | None = None
+
+
+@dataclass
+class LossSpan:
+    """One loss over rows [start, end) of a pass."""
+
+    start: int
+    end: int
+    loss_fn: LossFn
+    loss_cfg: LossConfig
+    batch_weight: float
+    """Total loss weight of the whole batch the span is part of (its `forward_backward` call)."""
+    batch_rows: int
+    """Datums in that batch."""
+    step: int
+    """The learner's optimizer step (named by the non-finite-loss error)."""
+    tally: Tally
+    needs_reference: bool = False
+    """Whether the loss gets reference logprobs."""
+    values: bool = False
+    """Whether the loss gets the value head's values."""
+    grad_scale: float = 1.0
+    """Scales the gradient, not the metrics (DeepSpeed: the world size, as it averages ranks)."""
+    filler: bool = False
+    """A weight-0 micro-batch run only so that every rank runs the same collectives: share 0."""
+
+
+@dataclass
+class Pass:
+    """One forward over `padded` and the losses over its rows."""
+
+    padded: _Padded
+    spans: list[LossSpan]
+    forward: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
+    """Logprobs [B, T] and values [B, T] (None without a value head) of the pass's rows."""
+    reference: Callable[[], torch.Tensor] | None = None
+    """The reference policy's logprobs [B, T] of the pass's rows (None: no span needs them)."""
+
+
+def micro_batches(datums: list[Datum], size: int) -> list[list[Datum]]:
+    """Consecutive chunks of at most `size` datums."""
+    return [datums[i:i + size] for i in range(0, len(datums), size)]
+
+
+def _rows(t_BT: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    return t_BT if start == 0 and end == t_BT.shape[0] else t_BT[start:end]
+
+
+def span_references(p: Pass) -> list[torch.Tensor | None]:
+    """Each span's reference logprobs [rows, T]: its rows' own when they all carry them, else
+    rows of the pass's reference forward (run once, only when some span needs it); None for a
+    span without a reference."""
+    own = [p.padded.own_reference(s.start, s.end) if s.needs_reference else None for s in p.spans]
+    ref_BT = None
+    if any(s.needs_reference and o is None for s, o in zip(p.spans, own)):
+        if p.reference is None:
+            raise ValueError("a loss needs reference logprobs, but this pass has no reference forward")
+        with torch.no_grad():
+            ref_BT = p.reference()
+    return [o if o is not None or not s.needs_reference else _rows(ref_BT, s.start, s.end)
+            for s, o in zip(p.spans, own)]
+
+
+def span_loss(span: LossSpan, padded: _Padded, lp_BT: torch.Tensor, values_BT: torch.Tensor | None,
+              ref_SBT: torch.Tensor | None) -> torch.Tensor | None:
+    """The span's loss times its share of its batch (and `grad_scale`), its metrics added to its
+    tally; None, with the tally's error set, when the loss is not finite."""
+    fields = {k: _rows(v, span.start, span.end) for k, v in padded.fields.items()}
+    values_SBT = _rows(values_BT, span.start, span.end) if span.values else None
+    loss, metrics = span.loss_fn(_rows(lp_BT, span.start, span.end), loss_batch(fields, ref_SBT, values_SBT),
+                                 span.loss_cfg)
+    if not torch.isfinite(loss):
+        span.tally.error = FloatingPointError(f"non-finite loss {loss.item()} at learner step {span.step}")
+        return None
+    share = 0.0 if span.filler else micro_batch_share(loss_normalization(span.loss_fn, span.loss_cfg),
+                                                      float(fields["weights"].sum()), span.batch_weight,
+                                                      span.end - span.start, span.batch_rows)
+    for k, v in {"loss": loss.item(), **metrics}.items():
+        span.tally.totals[k] = span.tally.totals.get(k, 0.0) + v * share
+    return loss * (share * span.grad_scale)
+
+
+def accumulate_gradients(passes: Iterable[Pass], backward: Backward = torch.Tensor.backward,
+                         fail_fast: bool = True) -> None:
+    """Run each pass (reference, forward, every span's loss) and backpropagate the sum of its
+    spans' scaled losses, so parameters accumulate each span's share of its batch's gradient.
+
+    `passes` is consumed lazily: a generator may leave out a failed call's rows from later
+    passes. With `fail_fast`, a non-finite loss raises `FloatingPointError` before its pass's
+    backward; otherwise the span's tally records it, the span is left out of the sum and the
+    other spans go on (the caller discards the failed call's gradient)."""
+    for p in passes:
+        refs = span_references(p)
+        lp_BT, values_BT = p.forward()
+        total, summed = None, []
+        for span, ref_SBT in zip(p.spans, refs):
+            scaled = span_loss(span, p.padded, lp_BT, values_BT, ref_SBT)
+            if scaled is None:
+                if fail_fast:
+                    raise span.tally.error
+                continue
+            total = scaled if total is None else total + scaled
+            summed.append(span)
+        if total is None:
+            continue
+        if not math.isfinite(total.item()):  # finite losses whose scaled sum overflows
+            error = FloatingPointError(f"non-finite sum of {len(summed)} losses at learner step {summed[0].step}")
+            if fail_fast:
+                raise error
+            for span in summed:
+                span.tally.error = error
+            continue
+        backward(total)

@@ -118,7 +118,9 @@ class ValueHead(torch.nn.Module):
         torch.nn.init.zeros_(self.linear.bias)
 
     def forward(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
-        return self.linear(hidden_BTH.float()).squeeze(-1)
+        # fp32 here; bf16 only under DeepSpeed's `bf16`, which casts every trained parameter
+        w = self.linear.weight
+        return self.linear(hidden_BTH.to(w.dtype)).float().squeeze(-1)
 
 
 class Learner:

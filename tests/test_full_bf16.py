@@ -116,6 +116,23 @@ def test_a_second_learner_on_the_same_base_owns_its_gradients():
     assert all(p.grad is None for p in rl.params)
     rl.zero_grad()
     assert all(m.grad is None for m in rl.masters.masters)
+    rl.close()  # the base outlives the learner: no hook of it is left on the parameters
+    assert not any(hasattr(p, "_master_hook") for p in rl.model.parameters())
+
+
+def test_experiment_sft_in_bf16_moves_the_base(tmp_path):
+    """`Experiment.sft` trains every parameter through the learner: fp32 masters in bf16 too."""
+    from tinker_pipelines.config import config_from_dict
+    from tinker_pipelines.experiment import Experiment
+
+    cfg = config_from_dict({"output_dir": str(tmp_path), "model": {"dtype": "bfloat16", "device": "cpu"},
+                            "sft": {"steps": 3, "batch_size": 4, "examples": 8, "learning_rate": 1e-6}})
+    exp = Experiment(cfg)
+    before = {n: p.detach().clone() for n, p in exp.base_model.named_parameters()}
+    exp.sft()
+    moved = sum(int((p != before[n]).sum()) for n, p in exp.base_model.named_parameters())
+    assert moved > 0 and all(p.dtype == torch.bfloat16 for p in exp.base_model.parameters())
+    assert not any(hasattr(p, "_master_hook") for p in exp.base_model.parameters())
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])

@@ -153,6 +153,7 @@ class Experiment:
             history.append(metrics)
             if on_step:
                 on_step(step, metrics)
+        learner.close()  # a bf16 base: its fp32 masters go with the SFT learner
         self.base_model.requires_grad_(False)
         return history
 

@@ -28,7 +28,7 @@ from tinker_pipelines import learner_checkpoint
 from tinker_pipelines.activation_checkpointing import checkpointed_layers
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn, loss_normalization, micro_batch_share
 from tinker_pipelines.lora_linear import adapters_disabled, fuse_lora_layers
-from tinker_pipelines.master_weights import MasterWeights, refuse_float16
+from tinker_pipelines.master_weights import MasterWeights, refuse_float16, release
 from tinker_pipelines.padding import _Padded, loss_batch, pad_datums
 from tinker_pipelines.prefix_sharing import (PrefixPlan, plan_prefix_sharing, shared_prefix_forward,
                                              supports_prefix_sharing)
@@ -358,6 +358,13 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         return {"grad_norm": grad_norm.item()}
+
+    def close(self) -> None:
+        """Let go of the model's parameters: the fp32 masters' gradient hooks (which keep the
+        masters alive) are removed. Call when the base outlives the learner (after an SFT warm
+        start, when a worker drops a full-parameter experiment)."""
+        if self.masters is not None:
+            release(self.masters.low)
 
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (the fp32 masters' included)."""

@@ -165,6 +165,7 @@ class Engine:
         if h.learner.cfg.mode == "lora" and name in getattr(self.model, "peft_config", {}):
             self.model.delete_adapter(name)
         h.learner.optimizer.state.clear()
+        h.learner.close()
         self.sampler.invalidate()
 
     def drop_owned(self, owner: int) -> list[str]:

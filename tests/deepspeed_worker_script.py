@@ -15,8 +15,10 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tinker_pipelines.algorithms import LossConfig, get_algorithm
@@ -24,6 +26,7 @@ from tinker_pipelines.datums import critic_datums, rl_datums, with_reference_log
 from tinker_pipelines.deepspeed_learner import DeepSpeedLearner
 from tinker_pipelines.envs import EnvSpec
 from tinker_pipelines.learner import Learner, LearnerConfig
+from tinker_pipelines.master_weights import MASTER_FILE
 from tinker_pipelines.models import load_model, stop_token_ids
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_groups
 from tinker_pipelines.rollout.sampler import Sampler
@@ -171,13 +174,69 @@ def run_carried(stage: int, model0, tok) -> dict[str, float]:
     return res
 
 
+def run_bf16(stage: int, tok, out_dir: Path) -> dict[str, Any]:
+    """A bf16 model under DeepSpeed's `bf16` section against the plain learner's fp32 masters:
+    PPO (a value head, kept fp32), 3 steps at lr 1e-5; then its checkpoint resumed by a plain
+    learner and by DeepSpeed."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    case = CASES["ppo_token"]
+    algo, loss_cfg = get_algorithm(case["algorithm"]), case["loss"]
+    lcfg = LearnerConfig(mode="full", learning_rate=1e-5, micro_batch_size=3, **case["learner"])
+    model0, _ = load_model("tiny", seed=0, dtype="bfloat16")
+    plain = Learner(copy.deepcopy(model0), lcfg, tok.pad_token_id, base_name="tiny")
+    datums = critic_datums(_groups(model0, tok), plain.compute_values, loss_cfg.gamma, loss_cfg.gae_lambda)[:NUM_DATUMS]
+    ds = DeepSpeedLearner(copy.deepcopy(model0), lcfg, tok.pad_token_id, base_name="tiny", stage=stage)
+
+    def ds_masters(learner):
+        return [safe_get_full_fp32_param(p).reshape(q.shape) for p, q in
+                zip(learner._trained.policy.parameters(), learner._full.policy.parameters())]
+
+    res: dict[str, Any] = {"device": str(ds.device), "bf16_enabled": float(ds.engine.bfloat16_enabled()),
+                             "policy_bf16": float(all(p.dtype == torch.bfloat16 for p in ds.model.parameters()))}
+    for _ in range(3):
+        m_plain, m_ds = _step(plain, datums, algo, loss_cfg), _step(ds, datums, algo, loss_cfg)
+    res["grad_norm_rel"] = _rel(m_ds["grad_norm"], m_plain["grad_norm"])
+    w0, d_plain = _flat(model0.parameters()), _flat(plain.masters.masters) - _flat(model0.parameters())
+    d_ds = _flat(ds_masters(ds)) - w0
+    res["masters_rel"] = float((d_ds - d_plain).norm() / d_plain.norm())
+    res["moved_fraction"] = float((_flat(ds.model.parameters()) != w0).float().mean())
+    res["weights_are_rounded_masters"] = float(torch.equal(_flat(ds.model.parameters()),
+                                                           _flat(m.to(torch.bfloat16) for m in ds_masters(ds))))
+    ck = out_dir / f"zero{stage}_bf16"
+    ds.save_state(ck, {"iteration": 3})
+    res["master_file"] = float((ck / MASTER_FILE).exists())
+    ds_m2 = _step(ds, datums, algo, loss_cfg)
+    if torch.distributed.get_rank() == 0:  # a plain learner resumes DeepSpeed's masters exactly
+        resumed = Learner(copy.deepcopy(model0), lcfg, tok.pad_token_id, base_name="tiny")
+        resumed.load_state(ck)
+        saved = torch.load(ck / "optimizer.pt", weights_only=True)["optimizer"]
+        saved_masters = load_file(str(ck / MASTER_FILE))
+        res["plain_resume_masters_equal"] = float(resumed.masters.rederived == 0 and torch.equal(
+            _flat(resumed.masters.masters), _flat(saved_masters[n] for n in resumed.masters.names)))
+        res["value_head_file_fp32"] = float(all(v.dtype == torch.float32 for v in
+                                                load_file(str(ck / "value_head.safetensors")).values()))
+        res["plain_resume_adam_equal"] = float(torch.equal(_adam(resumed.optimizer.state_dict(), "exp_avg"),
+                                                           _adam(saved, "exp_avg")))
+    ds2 = DeepSpeedLearner(copy.deepcopy(model0), lcfg, tok.pad_token_id, base_name="tiny", stage=stage)
+    ds2.load_state(ck)
+    m2 = _step(ds2, datums, algo, loss_cfg)
+    res["ds_resume_param_max_abs"] = float((_flat(ds2.params) - _flat(ds.params)).abs().max())
+    res["ds_resume_masters_max_abs"] = float((_flat(ds_masters(ds2)) - _flat(ds_masters(ds))).abs().max())
+    res["ds_resume_metrics_equal"] = float(m2 == ds_m2)
+    return res
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     stages = [int(s) for s in sys.argv[2].split(",")] if len(sys.argv) > 2 else [2, 3]
     cases = sys.argv[3].split(",") if len(sys.argv) > 3 else list(CASES)
     torch.manual_seed(0)
     model0, tok = load_model("tiny", seed=0)
-    results = {f"zero{s}/{c}": run_case(s, c, model0, tok, out.parent / "checkpoints") for s in stages for c in cases}
+    results = {f"zero{s}/{c}": run_case(s, c, model0, tok, out.parent / "checkpoints")
+               for s in stages for c in cases if c != "bf16"}
+    if "bf16" in cases:
+        results.update({f"zero{s}/bf16": run_bf16(s, tok, out.parent / "checkpoints") for s in stages})
     if "grpo_kl" in cases:
         results.update({f"zero{s}/grpo_kl_carried": run_carried(s, model0, tok) for s in stages})
     if torch.distributed.get_rank() == 0:

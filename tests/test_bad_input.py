@@ -43,6 +43,8 @@ from tinker_pipelines.types import StepResult
     ({"training": {"temperature": math.inf}}, "training.temperature must be positive"),
     ({"training": {"lora_alpha": -16}}, "training.lora_alpha must be positive"),
     ({"output_dir": ""}, "output_dir must be a path (not empty)"),
+    ({"model": {"dtype": "float16"}}, "model.dtype cannot be float16 for training (no loss scaling"),
+    ({"model": {"dtype": "fp16"}}, "use bfloat16"),
 ])
 def test_bad_config_names_the_field(patch, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -62,6 +64,26 @@ def test_bad_config_fails_before_any_model_loads(monkeypatch):
     bad = cfg.__class__(**{**cfg.__dict__, "training": cfg.training.__class__(learning_rate=-1.0)})
     with pytest.raises(ConfigError, match="training.learning_rate"):
         Experiment(bad)
+
+
+def _gpu_without_bf16(monkeypatch):
+    """A machine with two pre-Ampere GPUs (the hardware we lack here: torch.cuda's answers for it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "Tesla V100-SXM2-16GB")
+
+
+def test_bf16_on_a_gpu_without_bf16_names_the_device(monkeypatch):
+    _gpu_without_bf16(monkeypatch)
+    with pytest.raises(ConfigError, match=r"model.dtype bfloat16 is not supported natively by cuda:1 "
+                                          r"\(Tesla V100-SXM2-16GB, compute capability < 8.0\): use float32"):
+        config_from_dict({"model": {"device": "cuda:1", "dtype": "bfloat16"}})
+    # 'auto' picks fp32 there rather than torch's emulated bf16
+    from tinker_pipelines.models import resolve_dtype
+
+    assert resolve_dtype("auto", "cuda:1") == torch.float32 and resolve_dtype("float32", "cuda:1") == torch.float32
 
 
 def test_missing_config_file(tmp_path):

@@ -30,9 +30,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tinker_pipelines.config import ConfigError, config_from_dict
+from tinker_pipelines.deepspeed_learner import check_model_on_rank_device, deepspeed_config
+from tinker_pipelines.distributed import (accelerator_for, backend_for, check_rank_model_device, rank_device,
+                                          set_rank_device)
+from tinker_pipelines.learner import LearnerConfig
 
 WORKER = Path(__file__).with_name("deepspeed_worker_script.py")
 METRICS_TOL = 1e-5
@@ -48,10 +53,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(args: list[str], nproc: int | None, timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run a script under torchrun (`nproc` ranks) or as one plain process (None); fail loudly."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+def _run(args: list[str], nproc: int | None, timeout: float, cwd: Path | None = None,
+         accelerator: str = "cpu") -> subprocess.CompletedProcess:
+    """Run a script under torchrun (`nproc` ranks) or as one plain process (None) on DeepSpeed's
+    `accelerator` ('cuda': DeepSpeed picks it itself); fail loudly."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "DS_ACCELERATOR")}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    if accelerator == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
     launcher = [] if nproc is None else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                                          "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
     proc = subprocess.run([sys.executable, *launcher, *args], env=env, cwd=cwd, capture_output=True, text=True,
@@ -152,3 +162,89 @@ def test_deepspeed_config_defaults_off():
     cfg = config_from_dict({"training": {"mode": "full", "deepspeed": {"stage": 3, "offload_optimizer": True}}})
     assert cfg.training.deepspeed.stage == 3 and cfg.training.deepspeed.offload_optimizer
     assert config_from_dict({}).training.deepspeed.stage == 0
+
+
+BF16_MASTERS_RTOL = 0.02
+"""bf16 under DeepSpeed against the plain learner's fp32 masters, after 3 PPO steps at lr 1e-5:
+||d_ds - d_plain|| / ||d_plain|| of the policy's masters [0.0053 ZeRO-2, 0.0048 ZeRO-3 on CPU]:
+DeepSpeed's `bf16` casts the value head to bf16 too (the plain learner keeps it fp32)."""
+
+
+def _check_bf16(r: dict, exact_resume: bool = True) -> None:
+    assert r["bf16_enabled"] == 1.0 and r["policy_bf16"] == 1.0
+    assert r["masters_rel"] <= BF16_MASTERS_RTOL and r["moved_fraction"] > 0.05
+    assert r["weights_are_rounded_masters"] == 1.0 and r["master_file"] == 1.0
+    # a plain learner resumes DeepSpeed's masters and Adam states exactly; the head is saved from its masters
+    assert r["plain_resume_masters_equal"] == 1.0 and r["plain_resume_adam_equal"] == 1.0
+    assert r["value_head_file_fp32"] == 1.0
+    if exact_resume:
+        assert r["ds_resume_param_max_abs"] == 0.0 and r["ds_resume_masters_max_abs"] == 0.0
+        assert r["ds_resume_metrics_equal"] == 1.0
+
+
+def test_bf16_zero2_and_zero3_on_cpu(tmp_path):
+    """DeepSpeed accepts a `bf16` section on its CPU accelerator (one process, gloo)."""
+    out = tmp_path / "results.json"
+    _run([str(WORKER), str(out), "2,3", "bf16"], nproc=None, timeout=300)
+    r = json.loads(out.read_text())
+    for stage in (2, 3):
+        assert r[f"zero{stage}/bf16"]["device"] == "cpu"
+        _check_bf16(r[f"zero{stage}/bf16"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check)")
+def test_bf16_zero2_on_cuda(tmp_path):
+    """One rank on the GPU: NCCL, the rank's device cuda:0 (LOCAL_RANK), DeepSpeed's `bf16`."""
+    out = tmp_path / "results.json"
+    _run([str(WORKER), str(out), "2", "bf16"], nproc=None, timeout=300, accelerator="cuda")
+    r = json.loads(out.read_text())["zero2/bf16"]
+    assert r["device"] == "cuda:0"
+    _check_bf16(r, exact_resume=False)  # GPU kernels need not repeat bit for bit
+
+
+def test_deepspeed_config_follows_the_model_dtype():
+    cfg = LearnerConfig(mode="full", learning_rate=1e-3, micro_batch_size=4, grad_clip=0.5)
+    fp32 = deepspeed_config(cfg, torch.float32, 2)
+    assert fp32 == {  # exactly what fp32 runs always had
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "managed_gradient_accumulation": False,
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0,
+                                                  "torch_adam": True}},
+        "zero_optimization": {"stage": 2}, "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
+    bf16 = deepspeed_config(cfg, torch.bfloat16, 3, offload_optimizer=True, zero_overrides={"x": 1})
+    assert bf16["bf16"] == {"enabled": True} and bf16["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert bf16["zero_optimization"] == {"stage": 3, "x": 1, "offload_optimizer": {"device": "cpu"}}
+    assert "fp16" not in bf16
+    with pytest.raises(ValueError, match="model.dtype float16 cannot be trained.*use bfloat16"):
+        deepspeed_config(cfg, torch.float16, 2)
+
+
+def test_backend_and_rank_device_decisions():
+    assert backend_for("cuda") == "nccl" and backend_for("cpu") == "gloo"
+    with pytest.raises(ValueError, match="DS_ACCELERATOR"):
+        backend_for("xpu")
+    assert rank_device(3, "cuda") == torch.device("cuda", 3) and rank_device(3, "cpu") == torch.device("cpu")
+    assert accelerator_for(None, True) == "cuda" and accelerator_for("cpu", True) == "cpu"
+    assert accelerator_for(None, False) == "cpu"
+    with pytest.raises(ValueError, match="model.device 'cuda:0' would put all 4 ranks on one GPU"):
+        check_rank_model_device("cuda:0", 4)
+    check_rank_model_device("cuda:0", 1)
+    check_rank_model_device("auto", 4)
+    with pytest.raises(ValueError, match="the model is on cuda:0 but this rank's device is cuda:1"):
+        check_model_on_rank_device(torch.device("cuda", 0), torch.device("cuda", 1))
+    check_model_on_rank_device(torch.device("cpu"), torch.device("cuda", 1))  # DeepSpeed moves it
+
+
+def test_set_rank_device_on_a_cpu_machine_leaves_cuda_alone(monkeypatch):
+    """torchrun's rank 1 of 2 with an inherited CUDA_VISIBLE_DEVICES: no GPU here, so the CPU, and
+    CUDA is not initialized (it reads CUDA_VISIBLE_DEVICES once, when it does)."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("a CPU machine's answer")
+    assert set_rank_device("auto") == torch.device("cpu")
+    assert not torch.cuda.is_initialized()
+    with pytest.raises(ValueError, match="model.device 'cuda:1'"):
+        set_rank_device("cuda:1")

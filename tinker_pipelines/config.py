@@ -35,7 +35,8 @@ class ModelConfig:
     device: str = "auto"
     """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
     dtype: str = "auto"
-    """'auto' (bf16 on GPUs that support it, fp32 on CPU), 'float32', 'bfloat16' or 'float16'."""
+    """'auto' (bf16 on GPUs that support it natively, fp32 on CPU), 'float32' or 'bfloat16'
+    ('float16' is refused: training has no loss scaling)."""
     seed: int | None = None
     """Seed of the in-process 'tiny' model's weights (None: the experiment's seed); experiments
     that share a resident worker's base set the same value."""
@@ -304,6 +305,10 @@ class Config:
             _require(v >= 0 and math.isfinite(v), f"algorithm.{name}", "must be >= 0", v)
         self.dpo.validate()
         check_model_name(self.model.name)
+        # no loss scaling anywhere: fp16 gradients below ~6e-8 flush to 0 (bf16 has fp32's range)
+        _require(self.model.dtype not in ("float16", "fp16"), "model.dtype",
+                 "cannot be float16 for training (no loss scaling: small gradients underflow to 0); "
+                 "use bfloat16 (same memory, float32's exponent range) or float32", self.model.dtype)
         from tinker_pipelines.models import check_model_kwargs, resolve_device, resolve_dtype
 
         try:

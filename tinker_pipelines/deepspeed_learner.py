@@ -22,7 +22,14 @@ Checkpoints have the plain full-parameter `Learner`'s format, written by rank 0 
 HF `save_pretrained` safetensors of the consolidated weights, `value_head.safetensors`,
 `optimizer.pt` holding the consolidated Adam states as a `torch.optim.AdamW.state_dict()` (a
 plain `Learner` resumes from it; this learner restores it at any world size), `rng.pt` and
-`record.json` (with `deepspeed: {stage, world_size}`). No DeepSpeed-specific state is written.
+`record.json` (with `deepspeed: {stage, world_size}`), and for a bf16 model DeepSpeed's fp32
+master weights (`master_weights.MASTER_FILE`, as the plain learner writes them, so either
+resumes the other's bf16 run from the same masters). No DeepSpeed-specific state is written.
+
+Precision follows the model: a bf16 model trains under DeepSpeed's `bf16` section (fp32 masters
+and Adam states, gradients accumulated in fp32; `deepspeed_config`), fp32 as before; float16 is
+refused. On CUDA each rank takes cuda:LOCAL_RANK (`distributed.rank_device`), made current before
+the KL reference is copied, and joins an NCCL group (gloo on the CPU).
 
 The process group (`init_process_group`, `is_main_process`) is set up in `distributed`, and
 re-exported here.
@@ -32,6 +39,7 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import logging
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -46,12 +54,13 @@ from tinker_pipelines.algorithms.losses import LossConfig, LossFn
 from tinker_pipelines.distributed import _deepspeed, init_process_group, is_main_process
 from tinker_pipelines.learner import Learner, LearnerConfig, ValueHead
 from tinker_pipelines.learner_checkpoint import VALUE_HEAD_FILE
+from tinker_pipelines.master_weights import FLOAT16_REFUSED, MASTER_FILE, release
 from tinker_pipelines.padding import _Padded, pad_datums
 from tinker_pipelines.prefix_sharing import plan_prefix_sharing, supports_prefix_sharing
 from tinker_pipelines.training.gradient import Account, LossSpan, Pass, accumulate_gradients
 from tinker_pipelines.types import Datum
 
-__all__ = ["DeepSpeedLearner", "init_process_group", "is_main_process", "shard_datums"]
+__all__ = ["DeepSpeedLearner", "deepspeed_config", "init_process_group", "is_main_process", "shard_datums"]
 
 
 class _PolicyAndHead(torch.nn.Module):
@@ -90,6 +99,57 @@ def shard_datums(datums: list[Datum], rank: int, world: int, micro_batch_size: i
     return _Shard(mine, math.ceil(min(size, len(datums)) / micro_batch_size))
 
 
+def deepspeed_config(cfg: LearnerConfig, dtype: torch.dtype, stage: int, offload_optimizer: bool = False,
+                     zero_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """DeepSpeed's config for `cfg` on a model of `dtype`: the plain learner's clipping and AdamW,
+    ZeRO `stage`, and for a bf16 model a `bf16` section (DeepSpeed's fp32 master weights, the plain
+    learner's `master_weights`) with gradients accumulated in fp32 as the plain learner does.
+    float16 is refused (`master_weights.FLOAT16_REFUSED`: the experiment has no loss scaling).
+
+    >>> from tinker_pipelines.learner import LearnerConfig
+    >>> c = deepspeed_config(LearnerConfig(mode="full"), torch.bfloat16, 2)
+    >>> c["bf16"], c["data_types"], "bf16" in deepspeed_config(LearnerConfig(mode="full"), torch.float32, 2)
+    ({'enabled': True}, {'grad_accum_dtype': 'fp32'}, False)
+    """
+    if dtype == torch.float16:
+        raise ValueError(FLOAT16_REFUSED)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"model.dtype must be float32 or bfloat16 for DeepSpeed training, got {dtype}")
+    zero: dict[str, Any] = {"stage": stage, **(zero_overrides or {})}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        # step() is the accumulation boundary: forward_backward may run any number of micro-batches.
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": cfg.grad_clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": cfg.learning_rate, "betas": list(cfg.betas),
+                                                  "weight_decay": cfg.weight_decay, "torch_adam": True}},
+        "zero_optimization": zero,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if dtype == torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    return config
+
+
+def check_model_on_rank_device(model_device: torch.device, rank_dev: torch.device) -> None:
+    """Raise `ValueError` when the model was loaded onto another rank's GPU (every rank on cuda:0:
+    load it after `distributed.set_rank_device`, or on the CPU); a CPU model is moved by DeepSpeed.
+
+    >>> check_model_on_rank_device(torch.device("cuda", 0), torch.device("cuda", 1))
+    Traceback (most recent call last):
+    ...
+    ValueError: the model is on cuda:0 but this rank's device is cuda:1: load it after distributed.set_rank_device() (model.device 'auto' or 'cuda')
+    """
+    if model_device.type == "cuda" and model_device != rank_dev:
+        raise ValueError(f"the model is on {model_device} but this rank's device is {rank_dev}: load it after "
+                         "distributed.set_rank_device() (model.device 'auto' or 'cuda')")
+
+
 def _to_device(padded: _Padded, device: torch.device) -> _Padded:
     return _Padded(padded.inputs_BT.to(device), padded.targets_BT.to(device), padded.mask_BT.to(device),
                    {k: v.to(device) for k, v in padded.fields.items()},
@@ -112,10 +172,16 @@ class DeepSpeedLearner(Learner):
         if stage not in (2, 3):
             raise ValueError(f"training.deepspeed.stage must be 2 or 3 for DeepSpeedLearner, got {stage}")
         deepspeed = _deepspeed()
-        init_process_group()
+        dtype = next(base_model.parameters()).dtype
+        config = deepspeed_config(cfg, dtype, stage, offload_optimizer, zero_overrides)  # refuses fp16 first
+        # this rank's GPU is made current before anything below copies the model (the KL reference)
+        rank_dev = init_process_group(next(base_model.parameters()).device)
+        check_model_on_rank_device(next(base_model.parameters()).device, rank_dev)
         self.cfg, self.pad_token_id, self.base_name, self.stage = cfg, pad_token_id, base_name, stage
         self.adapter_name = "default"
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        release(base_model.parameters())  # DeepSpeed keeps its own fp32 masters: no plain learner's hooks
+        self.masters, self._low_precision = None, dtype != torch.float32
         base_model.requires_grad_(True).eval()  # no dropout: sampling and training see the same function
         self.reference = copy.deepcopy(base_model).requires_grad_(False) if cfg.needs_reference else None
         head = ValueHead(base_model.config.hidden_size) if cfg.value_head else None
@@ -124,21 +190,6 @@ class DeepSpeedLearner(Learner):
         groups = [{"params": list(base_model.parameters())}]
         if head is not None:
             groups.append({"params": list(head.parameters()), "lr": cfg.value_learning_rate or cfg.learning_rate})
-        zero: dict[str, Any] = {"stage": stage, **(zero_overrides or {})}
-        if offload_optimizer:
-            zero["offload_optimizer"] = {"device": "cpu"}
-        config = {
-            "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-            "gradient_accumulation_steps": 1,
-            # step() is the accumulation boundary: forward_backward may run any number of micro-batches.
-            "managed_gradient_accumulation": False,
-            "gradient_clipping": cfg.grad_clip,
-            "optimizer": {"type": "AdamW", "params": {"lr": cfg.learning_rate, "betas": list(cfg.betas),
-                                                      "weight_decay": cfg.weight_decay, "torch_adam": True}},
-            "zero_optimization": zero,
-            "steps_per_print": 2**31 - 1,
-            "wall_clock_breakdown": False,
-        }
         self.engine, *_ = deepspeed.initialize(model=trained, model_parameters=groups, config=config)
         self.device = self.engine.device
         self._trained, self._full = trained, (full.to(self.device).eval() if stage == 3 else full)
@@ -298,10 +349,26 @@ class DeepSpeedLearner(Learner):
                     for k in ("exp_avg", "exp_avg_sq")}}
         return plain.state_dict()
 
+    def _master_state(self, module: str) -> dict[str, torch.Tensor] | None:
+        """A bf16 model's fp32 masters (DeepSpeed's) of `module` ('policy' or 'value_head'), by
+        parameter name; None for fp32. Collective (ZeRO-3 gathers)."""
+        trained = getattr(self._trained, module)
+        if not self._low_precision or trained is None:
+            return None
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {n: safe_get_full_fp32_param(p).detach().cpu().clone().reshape(full_p.shape).contiguous()
+                for (n, p), full_p in zip(trained.named_parameters(), getattr(self._full, module).parameters(),
+                                          strict=True)}
+
     def save_state(self, path: str | Path, record: dict[str, Any] | None = None,
                    extra_rng: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Write a plain full-parameter checkpoint (rank 0) atomically; returns its record on every rank."""
-        optimizer = self._adam_state()
+        """Write a plain full-parameter checkpoint (rank 0) atomically; returns its record on every
+        rank. A bf16 model's checkpoint holds DeepSpeed's fp32 masters too (`MASTER_FILE`), and
+        its value head's masters as the head's weights (DeepSpeed's `bf16` casts every parameter;
+        the plain learner's head is fp32)."""
+        optimizer, masters, head_masters = self._adam_state(), self._master_state("policy"), self._master_state(
+            "value_head")
         full = None
         if self.rank == 0:
             with ckpt.atomic_directory(path) as tmp:
@@ -310,8 +377,11 @@ class DeepSpeedLearner(Learner):
                 state = {k: v.detach().cpu().clone() for k, v in self._full.policy.state_dict().items()}
                 self._full.policy.save_pretrained(str(tmp), state_dict=state)
                 if self._full.value_head is not None:
-                    save_file({k: v.detach().cpu().contiguous() for k, v in self._full.value_head.state_dict().items()},
-                              str(tmp / VALUE_HEAD_FILE))
+                    head = head_masters or {k: v.detach().cpu().contiguous()
+                                            for k, v in self._full.value_head.state_dict().items()}
+                    save_file(head, str(tmp / VALUE_HEAD_FILE))
+                if masters is not None:
+                    save_file(masters, str(tmp / MASTER_FILE))
                 torch.save({"optimizer": optimizer, "steps": self.steps}, tmp / "optimizer.pt")
                 torch.save({**ckpt.rng_state(), **(extra_rng or {})}, tmp / "rng.pt")
                 full = {"mode": "full", "base_model": self.base_name, "learner": asdict(self.cfg),
@@ -341,7 +411,7 @@ class DeepSpeedLearner(Learner):
         if missing or unexpected:
             raise ckpt.CheckpointError(ckpt.misfit_message(path, files, missing, unexpected))
         ckpt.check_ties(path, state, aliases)  # the tie keeps one tensor: the other one's training would be lost
-        values = [state[n] for n in names]
+        values = self._master_values(path, names, state)
         if self.value_head is not None:
             head = load_file(str(path / VALUE_HEAD_FILE))
             values += [head[n] for n, _ in self._trained.value_head.named_parameters()]
@@ -364,6 +434,23 @@ class DeepSpeedLearner(Learner):
         self._sync_full()
         ckpt.set_rng_state(ckpt.load_torch_file(path / "rng.pt"))
         return record
+
+    def _master_values(self, path: Path, names: list[str], state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """What DeepSpeed's fp32 masters of the policy are set to on load: a bf16 checkpoint's saved
+        masters (exact), else the stored weights (exact when they are fp32; a bf16 checkpoint
+        without masters loses the low bits of the run that wrote it: logged)."""
+        if self._low_precision and (path / MASTER_FILE).exists():
+            masters = load_file(str(path / MASTER_FILE))
+            missing = [n for n in names if n not in masters]
+            if missing:
+                raise ckpt.CheckpointError(f"checkpoint {path}: {MASTER_FILE} lacks the masters of {missing[:3]}")
+            return [masters[n] for n in names]
+        rederived = sum(state[n].dtype != torch.float32 for n in names) if self._low_precision else 0
+        if rederived:
+            logging.getLogger(__name__).warning(
+                "checkpoint %s has no %s: %d fp32 masters re-derived from its low-precision weights (the resumed "
+                "run is not bit for bit the saved one)", path, MASTER_FILE, rederived)
+        return [state[n] for n in names]
 
     def _null_step(self) -> None:
         """One optimizer step with a zero gradient and learning rate 0 (the parameters do not

@@ -92,6 +92,13 @@ class Experiment:
             self.worker = self._connect(worker, base)
             tokenizer = tokenizer or load_tokenizer(str(base) if base is not None else m.name)
         elif model is None:
+            if cfg.training.deepspeed.stage > 0:  # each rank on its own GPU before anything is loaded onto one
+                from tinker_pipelines.distributed import set_rank_device
+
+                try:
+                    set_rank_device(m.device)
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
             model, tokenizer = load_model(m.name, seed=cfg.seed if m.seed is None else m.seed, dtype=m.dtype,
                                           device=m.device, **m.kwargs)
         self.base_model, self.tokenizer = model, tokenizer
@@ -153,6 +160,7 @@ class Experiment:
             history.append(metrics)
             if on_step:
                 on_step(step, metrics)
+        learner.close()  # a bf16 base: its fp32 masters go with the SFT learner
         self.base_model.requires_grad_(False)
         return history
 

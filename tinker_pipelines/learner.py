@@ -7,6 +7,8 @@ to one value per position, computed in the same forward as the logprobs and trai
 same optimizer; it is saved as `value_head.safetensors` next to the adapter or weights.
 Under LoRA the KL reference is the same base with the adapter disabled, never a second copy;
 full-parameter training keeps a frozen copy only when a KL penalty needs one.
+Full-parameter training of a bf16 model steps fp32 master weights (`master_weights`); float16
+weights are refused (no loss scaling).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tinker_pipelines import learner_checkpoint
 from tinker_pipelines.activation_checkpointing import checkpointed_layers
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn
 from tinker_pipelines.lora_linear import adapters_disabled, fuse_lora_layers
+from tinker_pipelines.master_weights import MasterWeights, refuse_float16, release
 from tinker_pipelines.padding import _Padded, loss_batch, pad_datums
 from tinker_pipelines.prefix_sharing import (PrefixPlan, plan_prefix_sharing, shared_prefix_forward,
                                              supports_prefix_sharing)
@@ -117,7 +120,9 @@ class ValueHead(torch.nn.Module):
         torch.nn.init.zeros_(self.linear.bias)
 
     def forward(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
-        return self.linear(hidden_BTH.float()).squeeze(-1)
+        # fp32 here; bf16 only under DeepSpeed's `bf16`, which casts every trained parameter
+        w = self.linear.weight
+        return self.linear(hidden_BTH.to(w.dtype)).float().squeeze(-1)
 
 
 class Learner:
@@ -134,15 +139,21 @@ class Learner:
         self.adapter_name = adapter_name
         self.reference: PreTrainedModel | None = None
         self.device = next(base_model.parameters()).device
+        refuse_float16(base_model)
         with _seeded(init_seed, self.device):
             self._build(base_model, cfg, adapter_path, adapter_name)
         self.model.eval()  # no dropout: sampling and training see the same function
         self.value_head: ValueHead | None = None
-        groups = [{"params": list(self.params)}]
+        # full-parameter bf16: the optimizer steps fp32 masters (`master_weights`); fp32 and LoRA
+        # (PEFT keeps adapters fp32) step the parameters themselves
+        self.masters = MasterWeights.of(self.model) if cfg.mode == "full" else None
+        self._stepped = list(self.masters.stepped if self.masters is not None else self.params)
+        groups = [{"params": list(self._stepped)}]
         if cfg.value_head:
             self.value_head = ValueHead(self.model.config.hidden_size).to(self.device)
             head = list(self.value_head.parameters())
             self.params += head
+            self._stepped += head
             groups.append({"params": head, "lr": cfg.value_learning_rate or cfg.learning_rate})
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
@@ -330,16 +341,33 @@ class Learner:
                        functools.partial(self.reference_logprobs, padded))
 
     def optim_step(self) -> dict[str, float]:
-        """Apply the accumulated gradient; returns the pre-clip gradient norm."""
+        """Apply the accumulated gradient; returns the pre-clip gradient norm. With fp32 masters
+        (a bf16 full-parameter model) the clip and the step are the masters', then the bf16
+        weights are rounded from them."""
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self._stepped, clip)
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm at learner step {self.steps}; update skipped")
         self.optimizer.step()
+        if self.masters is not None:
+            self.masters.copy_back()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         return {"grad_norm": grad_norm.item()}
+
+    def close(self) -> None:
+        """Let go of the model's parameters: the fp32 masters' gradient hooks (which keep the
+        masters alive) are removed. Call when the base outlives the learner (after an SFT warm
+        start, when a worker drops a full-parameter experiment)."""
+        if self.masters is not None:
+            release(self.masters.low)
+
+    def zero_grad(self) -> None:
+        """Drop every accumulated gradient (the fp32 masters' included)."""
+        for p in self.params:
+            p.grad = None
+        self.optimizer.zero_grad(set_to_none=True)
 
     def save_state(self, path: str | Path, record: dict[str, Any] | None = None,
                    extra_rng: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -4,6 +4,8 @@ through `training.interface.ResidentLearner`.
 A checkpoint directory holds the adapter (`adapter_model.safetensors` + PEFT's config, loadable
 with `PeftModel.from_pretrained`) or the full weights (`save_pretrained`), the value head where
 there is one, the optimizer and RNG states, and a record with a content hash (`checkpoint.py`).
+A bf16 full-parameter learner adds its fp32 master weights (`master_weights.MASTER_FILE`); an
+fp32 one writes exactly what it always did.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from peft import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from tinker_pipelines import checkpoint as ckpt
+from tinker_pipelines.master_weights import MASTER_FILE
 
 if TYPE_CHECKING:  # the checkpoint sees a learner through this view, not `learner.Learner` (which imports it)
     from tinker_pipelines.training.interface import ResidentLearner
@@ -37,6 +40,8 @@ def save_state(learner: ResidentLearner, path: str | Path, record: dict[str, Any
             learner.model.peft_config[learner.adapter_name].save_pretrained(str(tmp))
         else:
             learner.model.save_pretrained(str(tmp))
+            if learner.masters is not None:  # not derivable from the bf16 weights: their low bits
+                save_file(learner.masters.state(), str(tmp / MASTER_FILE))
         if learner.value_head is not None:
             save_file({k: v.contiguous() for k, v in learner.value_head.state_dict().items()},
                       str(tmp / VALUE_HEAD_FILE))
@@ -64,6 +69,10 @@ def verify(learner: ResidentLearner, path: str | Path, probe_tokens: list[int]) 
         for f in sorted(path.glob("model*.safetensors")):
             loaded.update(load_file(str(f)))
         resident = dict(learner.model.state_dict())
+        if (path / MASTER_FILE).exists() or learner.masters is not None:
+            loaded.update({f"master.{k}": v for k, v in load_file(str(path / MASTER_FILE)).items()})
+            if learner.masters is not None:
+                resident.update({f"master.{k}": v for k, v in learner.masters.state().items()})
     if learner.value_head is not None or (path / VALUE_HEAD_FILE).exists():
         loaded.update({f"value_head.{k}": v for k, v in load_file(str(path / VALUE_HEAD_FILE)).items()})
         if learner.value_head is not None:
@@ -118,6 +127,10 @@ def _load_tensors(learner: ResidentLearner, path: Path) -> None:
             raise ckpt.CheckpointError(ckpt.misfit_message(path, files, missing, unexpected))
         ckpt.check_ties(path, state, ckpt.tied_aliases(learner.model))
         learner.model.load_state_dict(state, strict=False)  # strict would want both names of a tie
+        if learner.masters is not None:
+            masters = (load_file(str(path / MASTER_FILE), device=str(learner.device))
+                       if (path / MASTER_FILE).exists() else None)
+            learner.masters.load(masters, state, ckpt.tied_aliases(learner.model), where=str(path))
     opt = ckpt.load_torch_file(path / "optimizer.pt", map_location=learner.device)
     learner.optimizer.load_state_dict(opt["optimizer"])
     learner.steps = opt["steps"]

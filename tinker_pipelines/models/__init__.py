@@ -81,16 +81,42 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device = "auto") -> torch.dtype:
-    """`model.dtype`: 'auto' is bf16 on GPUs that support it, else fp32 (bf16 matmuls are ~30x
-    slower than fp32 on AVX2 CPUs, so the CPU stays in fp32)."""
+    """`model.dtype`: 'auto' is bf16 on GPUs that support it natively, else fp32 (bf16 matmuls are
+    ~30x slower than fp32 on AVX2 CPUs, so the CPU stays in fp32). An explicit bf16 on a CUDA
+    device without native bf16 (compute capability < 8.0: V100, T4) raises `ValueError` naming
+    the device: torch would emulate it, slowly."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         dev = resolve_device(device)
-        return torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+        return torch.bfloat16 if dev.type == "cuda" and _bf16_native(dev) else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"model.dtype must be 'auto' or one of {', '.join(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
+    dt = DTYPES[dtype]
+    if dt == torch.bfloat16:
+        dev = resolve_device(device)
+        if dev.type == "cuda":
+            check_dtype_on_device(dt, dev, _bf16_native(dev), torch.cuda.get_device_name(dev))
+    return dt
+
+
+def _bf16_native(dev: torch.device) -> bool:
+    """Whether CUDA device `dev` computes in bf16 natively (Ampere and later; ROCm's gfx9+)."""
+    return torch.cuda.get_device_capability(dev) >= (8, 0)
+
+
+def check_dtype_on_device(dtype: torch.dtype, device: torch.device, bf16_native: bool, device_name: str = "") -> None:
+    """Raise `ValueError` naming `model.dtype` and the device when `dtype` is bf16 on a CUDA
+    device without native bf16 (`bf16_native`, `device_name` as torch reports them).
+
+    >>> check_dtype_on_device(torch.bfloat16, torch.device("cuda", 1), False, "Tesla V100-SXM2-16GB")
+    Traceback (most recent call last):
+    ...
+    ValueError: model.dtype bfloat16 is not supported natively by cuda:1 (Tesla V100-SXM2-16GB, compute capability < 8.0): use float32
+    """
+    if dtype == torch.bfloat16 and device.type == "cuda" and not bf16_native:
+        raise ValueError(f"model.dtype bfloat16 is not supported natively by {device} ({device_name}, "
+                         "compute capability < 8.0): use float32")
 
 
 def load_model(name: str, seed: int = 0, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",

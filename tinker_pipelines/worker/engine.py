@@ -170,6 +170,7 @@ class Engine:
         if h.learner.cfg.mode == "lora" and name in getattr(self.model, "peft_config", {}):
             self.model.delete_adapter(name)
         h.learner.optimizer.state.clear()
+        h.learner.close()
         self.sampler.invalidate()
 
     def drop_owned(self, owner: int) -> list[str]:
@@ -286,8 +287,7 @@ class Engine:
             try:
                 replies[i] = {"metrics": j.learner.forward_backward(j.datums, j.loss_fn, j.loss_cfg)}
             except Exception as e:  # noqa: BLE001 - this call's error alone
-                for p in j.learner.params:  # a failed call leaves no partial gradient behind
-                    p.grad = None
+                j.learner.zero_grad()  # a failed call leaves no partial gradient behind (fp32 masters too)
                 replies[i] = _error(e)
         return replies  # type: ignore[return-value]
 

@@ -102,3 +102,27 @@ def test_rms_norm_is_transformers_llama_rmsnorm():
     h32 = torch.randn(4, 64)
     norm32 = norm.float()
     assert torch.equal(rms_norm(h32, norm32.weight, norm32.variance_epsilon), norm32(h32))
+
+
+def test_mixed_delta_upcast_same_off_cpu_form():
+    """The GPU form of the mixed-adapter delta (side-by-side factors, one masked product) and the
+    batch-invariant CPU form (adapter by adapter) compute the same bf16 outputs, up to fp32 rounding."""
+    from tinker_pipelines.rollout.mixed_lora import RowAdapters
+
+    g = torch.Generator().manual_seed(0)
+    H, O, r = 32, 48, 4
+    lora = [[[(torch.randn(r, H, generator=g), torch.randn(O, r, generator=g) * 0.1), None, None, None]],
+            [[(torch.randn(r, H, generator=g), torch.randn(O, r, generator=g) * 0.1), None, None, None]],
+            [[None, None, None, None]]]  # the bare base
+    rows = [0, 1, 1, 2, 0]
+    x = torch.randn(len(rows), 3, H, generator=g).bfloat16()
+    y0 = torch.randn(len(rows), 3, O, generator=g).bfloat16()
+    outs = []
+    for invariant in (True, False):
+        y = y0.clone()
+        RowAdapters(lora, rows, invariant=invariant).add_delta_upcast(y, x, 0, 0)
+        outs.append(y)
+    assert torch.allclose(outs[0].float(), outs[1].float(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(outs[0][3], y0[3])  # the base row is untouched
+    want = (y0[1].float() + (x[1].float() @ lora[1][0][0][0].t()) @ lora[1][0][0][1].t()).bfloat16()
+    assert torch.allclose(outs[0][1].float(), want.float(), rtol=1e-2, atol=1e-2)

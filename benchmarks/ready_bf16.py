@@ -24,9 +24,11 @@ from tinker_pipelines.worker.engine import Engine, EngineConfig
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 NEW_TOKENS = 12
 ADAPTERS = ("one", "two")
-GRAD_RTOL = 2e-2
+GRAD_RTOL = 3e-2
 """Shared-pass gradients vs alone, relative to the gradient's norm (bf16 activations: a shared
-pass changes the base matmuls' shapes, so their bf16 roundings)."""
+pass changes the base matmuls' shapes, so their bf16 roundings; 0 measured on CPU)."""
+MIXED_ATOL = 2e-2
+"""Off CPU: most |behaviour - learner| logprob of a mixed batch's rows under their own adapter."""
 
 
 def set_random_b(model: torch.nn.Module, seed: int = 3, std: float = 0.05) -> None:
@@ -79,8 +81,13 @@ def worker_check(engine: Engine) -> dict:
     """Mixed sampling and a shared training pass vs each adapter alone, on `engine`."""
     alone = {a: engine.sample([sample_request(a)])[0] for a in ADAPTERS}
     mixed = engine.sample([sample_request(a) for a in ADAPTERS])
-    samples_match = all("samples" in alone[a] and m.get("samples") == alone[a]["samples"]
-                        for a, m in zip(ADAPTERS, mixed))
+    if engine.device.type == "cpu":  # the CPU decoder is batch-invariant: the very same samples
+        samples_match = all("samples" in alone[a] and m.get("samples") == alone[a]["samples"]
+                            for a, m in zip(ADAPTERS, mixed))
+    else:  # no batch invariance on a GPU: each mixed row scores as its adapter alone scores it
+        samples_match = all("samples" in m for m in mixed) and all(
+            max(differences(d, engine.call(a, "compute_logprobs", datums=d))) < MIXED_ATOL
+            for a, m in zip(ADAPTERS, mixed) for d in [rl_datums(PROMPTS, m["samples"])])
     grpo = "grpo"
     calls = [{"adapter": a, "datums": rl_datums(PROMPTS, alone[a]["samples"]), "algorithm": grpo,
               "loss_cfg": {}} for a in ADAPTERS]

@@ -18,8 +18,13 @@ rows inside the one base output, with no per-layer slicing and concatenation.
 
 The function is the same as PEFT's up to float rounding (the order of two additions), and the
 parameters and checkpoints are PEFT's own: `fuse_lora_layers` only changes how the layers run.
-Anything else PEFT's layer can do (several active adapters, dropout, DoRA and other variants,
-mixed-adapter batches, merged weights, autocast, a quantized base) runs PEFT's own forward.
+An adapter whose dtype is not the base's (fp32 LoRA on a bf16 base, PEFT's default) follows the
+rule in `tinker_pipelines.dtypes`, as PEFT's forward does: `x` cast to the adapter's dtype, the
+low-rank path there (`(x A^T) B^T` then `* s`), the sum with the base output rounded once to
+the base's dtype; in the backward `dy` is upcast for the low-rank products and the input's share
+rounded to `x`'s dtype. Anything else PEFT's layer can do (several active adapters, dropout,
+DoRA and other variants, mixed-adapter batches, merged weights, autocast, a quantized base)
+runs PEFT's own forward.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any, Iterator
 
 import torch
 
+from tinker_pipelines.dtypes import add_lora
 
 class _LoraLinear(torch.autograd.Function):
     """`y = x W^T + b`, plus on each span of rows its adapter's `s (x A^T) B^T`, over the last
@@ -45,8 +51,12 @@ class _LoraLinear(torch.autograd.Function):
         ax = []
         for s, e, k in spans:
             A_RI, B_OR = factors[2 * k], factors[2 * k + 1]
-            ax_SR = x_NI[s:e] @ A_RI.t()
-            y_NO[s:e].addmm_(ax_SR, B_OR.t(), alpha=scalings[k])
+            if A_RI.dtype == x_NI.dtype:
+                ax_SR = x_NI[s:e] @ A_RI.t()
+                y_NO[s:e].addmm_(ax_SR, B_OR.t(), alpha=scalings[k])
+            else:  # `dtypes`: the low-rank path in the adapter's dtype, the sum rounded once
+                ax_SR = x_NI[s:e].to(A_RI.dtype) @ A_RI.t()
+                y_NO[s:e] = add_lora(y_NO[s:e], (ax_SR @ B_OR.t()) * scalings[k])
             ax.append(ax_SR)
         ctx.save_for_backward(x_NI, weight_OI, *factors, *ax)
         ctx.spans, ctx.scalings, ctx.has_bias, ctx.n_factors = spans, scalings, bias_O is not None, len(factors)
@@ -63,6 +73,10 @@ class _LoraLinear(torch.autograd.Function):
         dfactors: list[torch.Tensor | None] = [None] * len(factors)
         for (s, e, k), ax_SR in zip(ctx.spans, ax):
             A_RI, B_OR, scaling = factors[2 * k], factors[2 * k + 1], ctx.scalings[k]
+            if A_RI.dtype != x_NI.dtype:
+                _mixed_backward(dy_NO[s:e], x_NI[s:e], ax_SR, A_RI, B_OR, scaling, dx_NI[s:e] if need_x else None,
+                                dfactors, 2 * k, need_f[2 * k], need_f[2 * k + 1])
+                continue
             dy_SO = dy_NO[s:e]
             if need_x or need_f[2 * k]:
                 dax_SR = (dy_SO @ B_OR).mul_(scaling)
@@ -82,12 +96,29 @@ def _accumulate(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
     return part if total is None else total.add_(part)
 
 
+def _mixed_backward(dy_SO: torch.Tensor, x_SI: torch.Tensor, ax_SR: torch.Tensor, A_RI: torch.Tensor,
+                    B_OR: torch.Tensor, scaling: float, dx_SI: torch.Tensor | None, dfactors: list,
+                    ia: int, need_a: bool, need_b: bool) -> None:
+    """The gradients of one span whose adapter's dtype is not the base's, as autograd gives them
+    through PEFT's forward: `dy` upcast to the adapter's dtype, the low-rank products there, and
+    the input's share rounded to `x`'s dtype before it joins the base's."""
+    dlow_SO = dy_SO.to(B_OR.dtype) * scaling
+    dax_SR = dlow_SO @ B_OR
+    if dx_SI is not None:
+        dx_SI.add_((dax_SR @ A_RI).to(dx_SI.dtype))
+    if need_a:
+        dfactors[ia] = _accumulate(dfactors[ia], dax_SR.t() @ x_SI.to(A_RI.dtype))
+    if need_b:
+        dfactors[ia + 1] = _accumulate(dfactors[ia + 1], dlow_SO.t() @ ax_SR)
+
+
 def _vanilla(layer: torch.nn.Module, name: str, x: torch.Tensor) -> bool:
     """Whether adapter `name` of `layer` is a plain LoRA delta this module can apply to `x`."""
     base = layer.base_layer
     return (name not in getattr(layer, "lora_variant", {}) and type(base) is torch.nn.Linear
             and isinstance(layer.lora_dropout[name], torch.nn.Identity) and layer.lora_B[name].bias is None
-            and x.dtype == base.weight.dtype == layer.lora_A[name].weight.dtype == layer.lora_B[name].weight.dtype)
+            and x.dtype == base.weight.dtype and layer.lora_A[name].weight.dtype == layer.lora_B[name].weight.dtype
+            and getattr(layer, "cast_input_dtype_enabled", True))
 
 
 def lora_linear(layer: torch.nn.Module, x: torch.Tensor,

@@ -9,8 +9,11 @@ for one new token per row with none of that:
 - the attention mask is a boolean `[B, 1, 1, S]` built once and sliced per step;
 - rotary cos/sin for every row and step are computed once (the model's own rotary module);
 - q|k|v and gate|up run as one matmul each on fused weight copies (bitwise the same outputs as
-  separate matmuls); active vanilla LoRA adapters are merged into those copies. Adapters that
-  cannot be merged (DoRA, LoRA bias, ...) run through the model's own sub-modules instead;
+  separate matmuls); active vanilla LoRA adapters are merged into those copies where they have
+  the base's dtype, and added unmerged (as PEFT and the learner compute them) where they do not
+  (fp32 LoRA on a bf16 base: `tinker_pipelines.dtypes` says why). Adapters that cannot be merged
+  (DoRA, LoRA bias, ...) run through the model's own sub-modules instead;
+- RMSNorm runs as transformers' `LlamaRMSNorm` (in fp32, cast back: `dtypes.rms_norm`);
 - the prefill is the model's own forward, except that a prompt extending one of the previous
   call's prompts (`PromptStore`) reuses their keys/values and runs only its new tokens.
 - on CPU the output layer runs in blocks of `HEAD_BLOCK` vocabulary columns (`blocked_linear`):
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, rotate_half
 
+from tinker_pipelines.dtypes import rms_norm
 from tinker_pipelines.rollout.linears import attention, blocked_linear, invariant_linear, rows_linear
 from tinker_pipelines.rollout.mixed_lora import RowAdapters
 
@@ -78,6 +82,24 @@ def linear_params(module: torch.nn.Module, base_only: bool = False) -> tuple[tor
             return None
         weight = weight + module.get_delta_weight(name).to(weight.dtype)
     return weight, base.bias
+
+
+def _unmerged_adapter(causal: torch.nn.Module) -> str | None | bool:
+    """The one active LoRA adapter of `causal` whose dtype is not its base layers' (it must be
+    added unmerged: `tinker_pipelines.dtypes`); None when every active adapter can be merged (or
+    none is active); False when several active adapters would need it (the model's own forward)."""
+    active, other_dtype = set(), False
+    for m in causal.modules():
+        base = getattr(m, "base_layer", None)
+        if not hasattr(m, "lora_A") or base is None or m.disable_adapters or getattr(m, "merged", False):
+            continue
+        for name in m.active_adapters:
+            if name in m.lora_A:
+                active.add(name)
+                other_dtype |= m.lora_A[name].weight.dtype != base.weight.dtype
+    if not other_dtype:
+        return None
+    return next(iter(active)) if len(active) == 1 else False
 
 
 def _fuse(modules: list[torch.nn.Module], base_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -167,14 +189,21 @@ class LeanLlamaDecoder:
         self.n_rep = attn.num_key_value_groups
         self.scaling = attn.scaling
         self.n_kv = cfg.num_key_value_heads
+        self.unmerged = None if base_only else _unmerged_adapter(self.causal)
+        """The active adapter added unmerged to every row (its dtype is not the base's), else None."""
         # Per layer: fused q|k|v and gate|up weights (a fused matmul gives bitwise the same
         # outputs as separate ones and saves calls); LoRA adapters are merged in. The matmuls
         # run on these copies: rebuild the decoder when the weights change (`weights_fingerprint`).
-        self.fused = self._fuse_weights()
+        self.fused = None if self.unmerged is False else self._fuse_weights()
+        if self.unmerged and self.fused is not None:
+            self.adapters = RowAdapters.build(self.groups, [self.unmerged], [0])
+            if self.adapters is None:
+                self.fused = None
 
     def _fuse_weights(self) -> list[tuple] | None:
         fused = []
-        if self.base_only and (type(self.embed) is not torch.nn.Embedding or hasattr(self.lm_head, "lora_A")):
+        base_only = self.base_only or bool(self.unmerged)  # the adapters are added per row (`RowAdapters`)
+        if base_only and (type(self.embed) is not torch.nn.Embedding or hasattr(self.lm_head, "lora_A")):
             return None  # an adapter on the embedding or the output layer cannot run per row here
         self.groups = []
         for layer in self.layers:
@@ -184,7 +213,7 @@ class LeanLlamaDecoder:
             groups = ([attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj],
                       [mlp.down_proj])
             self.groups.append(groups)
-            qkv, o, gate_up, down = (_fuse(g, self.base_only) for g in groups)
+            qkv, o, gate_up, down = (_fuse(g, base_only) for g in groups)
             if not norms_ok or None in (qkv, o, gate_up, down):
                 return None
             q_out, kv_out = attn.q_proj.out_features, attn.k_proj.out_features
@@ -192,7 +221,7 @@ class LeanLlamaDecoder:
                           qkv, (q_out, kv_out, kv_out), o,
                           layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
                           gate_up, mlp.gate_proj.out_features, mlp.act_fn, down))
-        head = _fuse([self.lm_head], self.base_only)
+        head = _fuse([self.lm_head], base_only)
         if head is None or type(self.norm).__name__ != "LlamaRMSNorm":
             return None
         self.head = head
@@ -204,6 +233,8 @@ class LeanLlamaDecoder:
         """Run the prompts with the model's own forward, copy its cache into static buffers and
         return the last position's logits `[B, V]`."""
         B, L = input_BL.shape
+        if self.unmerged:
+            self.adapters.set_rows([0] * B)
         cache = DynamicCache()
         out = self.causal(input_ids=input_BL, attention_mask=mask_BL, position_ids=positions_BL,
                           cache=cache, use_cache=True, logits_to_keep=1)
@@ -239,6 +270,8 @@ class LeanLlamaDecoder:
         only the remaining tail of the prompts runs through the layers. Needs the fused path."""
         assert self.fused is not None
         B, L = input_BL.shape
+        if self.unmerged:
+            self.adapters.set_rows([0] * B)
         lens = mask_BL.sum(1).tolist()
         T = max(n - (h[1] if h else 0) for n, h in zip(lens, hits))  # new columns L-T..L-1
         S = L + max_new_tokens
@@ -267,8 +300,7 @@ class LeanLlamaDecoder:
         n_qk = n_heads + n_kv
         for li, ((w1, eps1, qkv_wb, _, o_wb, w2, eps2, gu_wb, inter, act, d_wb), k_buf, v_buf) in enumerate(
                 zip(self.fused, self.keys, self.values)):
-            x = h.pow(2).mean(-1, keepdim=True)
-            x = w1 * (h * torch.rsqrt(x + eps1))
+            x = rms_norm(h, w1, eps1)
             qkv = self._lin(x, qkv_wb, li, 0)  # [B, T, (n_heads + 2 n_kv) D]
             qk = qkv[..., : n_qk * D].view(B, T, n_qk, D)
             qk = (qk * cos) + (rotate_half(qk) * sin)
@@ -280,12 +312,10 @@ class LeanLlamaDecoder:
                 values = values[:, :, None].expand(B, n_kv, n_rep, L, D).reshape(B, n_heads, L, D)
             o = attention(qk[:, :, :n_heads].transpose(1, 2), keys, values, mask, self.scaling, self.invariant)
             h = h + self._lin(o.transpose(1, 2).reshape(B, T, -1), o_wb, li, 1)
-            x = h.pow(2).mean(-1, keepdim=True)
-            x = w2 * (h * torch.rsqrt(x + eps2))
+            x = rms_norm(h, w2, eps2)
             gate, up = self._lin(x, gu_wb, li, 2).split([inter, inter], dim=-1)
             h = h + self._lin(act(gate) * up, d_wb, li, 3)
-        x = h[:, -1]
-        x = self.norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon))
+        x = rms_norm(h[:, -1], self.norm.weight, self.norm.variance_epsilon)
         self._setup(mask_BL, positions_BL, max_new_tokens, x.dtype)
         return blocked_linear(x, *self.head, invariant=self.invariant)
 
@@ -298,7 +328,12 @@ class LeanLlamaDecoder:
 
     def _lin(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None], layer: int, group: int) -> torch.Tensor:
         """The fused linear `wb` on `x` [B, ..., in], plus each row's own adapter delta (a
-        base-only decoder): the base matmul runs once over every row."""
+        base-only decoder): the base matmul runs once over every row. Adapters in another dtype
+        than the base add their delta after the base product, as PEFT does (`dtypes`)."""
+        if self.adapters is not None and self.adapters.dtype not in (None, x.dtype):
+            y = invariant_linear(x, *wb) if self.invariant else rows_linear(x, *wb)
+            self.adapters.add_delta_upcast(y, x, layer, group)
+            return y
         if self.invariant:
             return invariant_linear(x, *wb, lora=self.adapters.factors(layer, group) if self.adapters else None)
         y = rows_linear(x, *wb)
@@ -338,8 +373,7 @@ class LeanLlamaDecoder:
         cos, sin = cos[:, 0], sin[:, 0]  # [B, 1, D]: broadcast over heads
         for li, ((w1, eps1, qkv_wb, _, o_wb, w2, eps2, gu_wb, inter, act, d_wb), k_buf, v_buf) in enumerate(
                 zip(self.fused, self.keys, self.values)):
-            x = h.pow(2).mean(-1, keepdim=True)  # LlamaRMSNorm, op for op
-            x = w1 * (h * torch.rsqrt(x + eps1))
+            x = rms_norm(h, w1, eps1)  # LlamaRMSNorm, op for op
             qkv = self._lin(x, qkv_wb, li, 0)[:, 0]  # [B, (n_heads + 2 n_kv) D]
             qk = qkv[:, : n_qk * D].view(B, n_qk, D)  # rotary on q and k heads at once
             qk = (qk * cos) + (rotate_half(qk) * sin)
@@ -350,12 +384,10 @@ class LeanLlamaDecoder:
             o = attention(q, k_buf[:, :, : col + 1], v_buf[:, :, : col + 1], mask, self.scaling, self.invariant)
             o = o.reshape(B, 1, -1)
             h = h + self._lin(o, o_wb, li, 1)
-            x = h.pow(2).mean(-1, keepdim=True)
-            x = w2 * (h * torch.rsqrt(x + eps2))
+            x = rms_norm(h, w2, eps2)
             gate, up = self._lin(x, gu_wb, li, 2).split([inter, inter], dim=-1)
             h = h + self._lin(act(gate) * up, d_wb, li, 3)
-        x = h[:, -1]
-        x = self.norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon))
+        x = rms_norm(h[:, -1], self.norm.weight, self.norm.variance_epsilon)
         return blocked_linear(x, *self.head, invariant=self.invariant)
 
     def _step_modules(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,

@@ -9,12 +9,21 @@ adapters' blocks add exact zeros. A batch of one adapter needs no mask. A batch-
 decoder (CPU) hands the factors and a transposed mask to `linears.invariant_linear`, which adds
 the delta inside its base product: a row's delta is then the same floats whoever shares the
 batch (tested against each adapter alone).
+
+Adapters in another dtype than the base (fp32 LoRA on a bf16 base, PEFT's default) add their
+delta as `tinker_pipelines.dtypes` states (`add_delta_upcast`): `x` cast to the adapters' dtype,
+the low-rank products there, the sum with the base output rounded once to the base's dtype. On
+a batch-invariant decoder (CPU) each adapter's products are `invariant_linear`s of their own
+factors, so a row's delta is still the floats it gets when its adapter is alone in the batch.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from tinker_pipelines.dtypes import adapter_input, add_lora
+from tinker_pipelines.rollout.linears import invariant_linear
 
 Factors = tuple[torch.Tensor, torch.Tensor]
 """A fused linear group's adapter update: A [R, in], B [out, R] (scaling folded into B)."""
@@ -61,6 +70,8 @@ class RowAdapters:
         self.invariant = invariant
         """Masks kept as [R, B] for `linears.invariant_linear` (`factors`) instead of [B, R] (`add_delta`)."""
         self._factors_for: tuple[int, ...] | None = None
+        self.dtype = next((f[0].dtype for per_layer in lora for per in per_layer for f in per if f), None)
+        """The adapters' dtype (None: no adapter changes any layer)."""
         self.set_rows(row_adapter)
 
     @classmethod
@@ -85,6 +96,7 @@ class RowAdapters:
             self._factors_for = present
             self._factors = [[self._side_by_side(present, li, g) for g in range(4)] for li in range(len(self.lora[0]))]
         rows_B = torch.tensor(self.row_adapter)
+        self._rows_B = rows_B
         self._masks = [[None if f is None or len(present) == 1 else self._mask(rows_B, f) for f in per]
                        for per in self._factors]
 
@@ -104,7 +116,7 @@ class RowAdapters:
             return None
         owner_R = torch.cat([torch.full((f[0].shape[0],), k) for k, f in fs])
         return (torch.cat([f[0] for _, f in fs]), torch.cat([f[1] for _, f in fs], dim=1), owner_R,
-                tuple(f for _, f in fs))
+                tuple(f for _, f in fs), tuple(k for k, _ in fs))
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: int) -> None:
         """`y += ` each row's adapter delta of linear group `group` on `x` [B, ..., in] (not invariant)."""
@@ -124,3 +136,30 @@ class RowAdapters:
         if f is None:
             return None
         return f[0], f[1], self._masks[layer][group], f[3]
+
+    def add_delta_upcast(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: int) -> None:
+        """`y` (the base output on `x` [B, ..., in], in the base's dtype) becomes the LoRA layer's
+        output as PEFT computes it for adapters in another dtype (`tinker_pipelines.dtypes`): each
+        row's delta from `x` cast to the adapters' dtype, added in that dtype, rounded once."""
+        f = self._factors[layer][group]
+        if f is None:
+            return
+        A_RI, B_OR, _, parts, ks = f
+        x_f = adapter_input(x, A_RI)
+        mask = self._masks[layer][group]
+        ones = [1] * (x.dim() - 2)
+        if not self.invariant:
+            low = F.linear(x_f, A_RI)
+            if mask is not None:
+                low = low * mask.view(x.shape[0], *ones, -1)
+            delta = F.linear(low, B_OR)
+        else:  # adapter by adapter, each product batch-invariant; other rows add exact zeros
+            delta = None
+            rows_B = self._rows_B.to(x.device)
+            for k, (A_rI, B_Or) in zip(ks, parts):
+                low = invariant_linear(x_f, A_rI)
+                if mask is not None:
+                    low = low * (rows_B == k).to(low.dtype).view(x.shape[0], *ones, 1)
+                d = invariant_linear(low, B_Or)
+                delta = d if delta is None else delta.add_(d)
+        y.copy_(add_lora(y, delta))

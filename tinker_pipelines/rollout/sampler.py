@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 from typing import Iterator
 
@@ -37,6 +38,9 @@ from tinker_pipelines.rollout.lean_llama import LeanLlamaDecoder, PromptStore, w
 from tinker_pipelines.rollout.samples import BASE, Sample, SampleRequest, completion_text  # noqa: F401 (re-exported)
 from tinker_pipelines.rollout.shared_prefix import prefill_shared_prefix
 from tinker_pipelines.rollout.truncation import check_params, is_active
+
+
+log = logging.getLogger(__name__)
 
 
 class ContextOverflowError(ValueError):
@@ -71,6 +75,9 @@ class Sampler:
         self._lean: tuple[tuple, LeanLlamaDecoder] | None = None
         self._store: PromptStore | None = None
         self._mixed: tuple[tuple, LeanLlamaDecoder | None] | None = None
+        self.counts = {"mixed_batches": 0, "mixed_batch_errors": 0}
+        """Batches of several requests `sample_each` decoded together, and those that failed and
+        were rerun one request at a time (each logged with its cause)."""
 
     def invalidate(self) -> None:
         """Drop the fused weights and stored prompt keys/values (weights changed behind torch's
@@ -161,10 +168,14 @@ class Sampler:
         try:
             for i, samples in zip(ok, self.sample_requests([requests[i] for i in ok]) if ok else []):
                 out[i] = samples
+            self.counts["mixed_batches"] += len(ok) > 1
         except Exception as e:  # noqa: BLE001 - whose request it was is found below
             if len(ok) == 1:
                 out[ok[0]] = e
                 return out  # type: ignore[return-value]
+            self.counts["mixed_batch_errors"] += 1
+            log.warning("a batch of %d sample requests failed (%s: %s); running each alone", len(ok),
+                        type(e).__name__, e)
             for g, state in zip(gens, states):
                 if g is not None:
                     g.set_state(state)

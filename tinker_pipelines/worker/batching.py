@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn
+from tinker_pipelines.dtypes import adapter_input, add_lora
 from tinker_pipelines.learner import Learner
 from tinker_pipelines.lora_linear import adapters_disabled, lora_linear
 from tinker_pipelines.padding import _Padded, pad_datums
@@ -44,7 +45,8 @@ def row_adapters(model: torch.nn.Module, layouts: dict[int, Segments]) -> Iterat
     base output, in one fused pass where it can (`lora_linear`). Use inside
     `adapters_disabled(model)` so the layers themselves add nothing otherwise. `layouts` maps a
     batch size to its segments: a shared-prefix forward runs its prefix rows and its
-    continuation rows as two batches of different sizes."""
+    continuation rows as two batches of different sizes. Adapters whose dtype is not the base's
+    compute as PEFT does (`tinker_pipelines.dtypes`)."""
 
     def forward(module: torch.nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         segments = layouts.get(x.shape[0])
@@ -58,8 +60,9 @@ def row_adapters(model: torch.nn.Module, layouts: dict[int, Segments]) -> Iterat
         pieces = []
         for s, e, name in segments:
             y = output[s:e]
-            if name is not None and name in module.lora_A:
-                y = y + module.lora_B[name](module.lora_A[name](x[s:e])) * module.scaling[name]
+            if name is not None and name in module.lora_A:  # PEFT's forward, as `dtypes` states it
+                lora_A, lora_B = module.lora_A[name], module.lora_B[name]
+                y = add_lora(y, lora_B(lora_A(adapter_input(x[s:e], lora_A.weight))) * module.scaling[name])
             pieces.append(y)
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import resource
 import threading
 import time
@@ -17,6 +18,9 @@ from tinker_pipelines.learner import Learner, LearnerConfig
 from tinker_pipelines.rollout.sampler import ContextOverflowError, Sample, Sampler, SampleRequest
 from tinker_pipelines.types import Datum
 from tinker_pipelines.worker.batching import FBJob, forward_backward_together
+
+
+log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -82,6 +86,10 @@ class Engine:
     """The base's tokenizer, for requests with stop strings (the sampler decodes their tails)."""
     claims: int = 0
     """Parked adapters taken over by a client so far (`create` with a matching `claim`)."""
+    shared_passes: int = 0
+    """`forward_backward` calls of several experiments that ran in shared base passes."""
+    shared_pass_errors: int = 0
+    """Those that raised and were rerun one call at a time (each is logged with its cause)."""
 
     def __post_init__(self) -> None:
         self.base_model = self.model
@@ -276,9 +284,13 @@ class Engine:
             try:
                 forward_backward_together([j for _, j in lora], self.cfg.max_train_rows)
                 done = {i for i, _ in lora}
+                self.shared_passes += 1
                 for i, j in lora:
                     replies[i] = _error(j.error) if j.error is not None else {"metrics": j.totals}
-            except Exception:  # noqa: BLE001 - whose call it was is found by running each alone
+            except Exception as e:  # noqa: BLE001 - whose call it was is found by running each alone
+                self.shared_pass_errors += 1
+                log.warning("shared forward_backward of %s failed (%s: %s); running each call alone",
+                            ", ".join(j.learner.adapter_name for _, j in lora), type(e).__name__, e)
                 for p, grad in saved.items():
                     p.grad = grad
         for i, j in jobs:
@@ -326,7 +338,8 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         return {"adapters": sorted(self.hosted), "parked": sorted(n for n, h in self.hosted.items() if h.parked),
-                "claims": self.claims,
+                "claims": self.claims, "shared_passes": self.shared_passes,
+                "shared_pass_errors": self.shared_pass_errors, **self.sampler.counts,
                 "base": self.base, "device": str(self.device),
                 "peak_rss_mb": usage.ru_maxrss / 1024, "rss_mb": _rss_mb()}
 

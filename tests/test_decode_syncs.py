@@ -1,0 +1,104 @@
+"""Decode without a host sync per token on a GPU: finished rows and stop strings are checked every
+few steps there (the same samples as a check after every step), uniforms drawn on the device; the
+CPU keeps checking every step and drawing on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinker_pipelines.rollout.sampler import (DEVICE_CHECK_EVERY, Sampler, SampleRequest, check_interval,
+                                              uniforms_on_device)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(4, vocab, (int(n),), generator=g).tolist() for n in torch.randint(3, 12, (6,), generator=g)]
+
+
+def _requests(prompts: list[list[int]], stops: tuple[str, ...]) -> list[SampleRequest]:
+    return [SampleRequest(prompts[:2], 10, 0.8, torch.Generator().manual_seed(5), top_p=0.9, stop=stops),
+            SampleRequest(prompts[2:5], 20, 0.0, stop=stops),
+            SampleRequest(prompts[5:], 24, 1.2, torch.Generator().manual_seed(6), min_p=0.05, top_k=15),
+            SampleRequest(prompts, 24, 0.9, torch.Generator().manual_seed(7), stop=stops),
+            SampleRequest(prompts[:1], 24, 0.0, stop=stops)]
+
+
+def _flat(results):
+    return [s for samples in results for s in samples]
+
+
+@pytest.mark.parametrize("lean", [True, False])
+@pytest.mark.parametrize("every", [3, DEVICE_CHECK_EVERY])
+def test_checking_every_few_steps_gives_the_samples_of_checking_every_step(tiny, lean, every):
+    """Stop tokens, stop strings (one also the text of a stop token: where the token completes it,
+    the token wins) and lengths end each row at the same token, with the same reason and string;
+    logprobs differ only by the float rounding of other batch sizes (rows are pruned later)."""
+    model, tok = tiny
+    prompts = _prompts(len(tok))
+    free = Sampler(model, tok.pad_token_id, [], tokenizer=tok).sample(prompts, 24, 0.0)
+    texts = [tok.decode(list(s.tokens), skip_special_tokens=True) for s in free]
+    stop_ids = sorted({free[0].tokens[3], free[2].tokens[9], free[4].tokens[15]})
+    both = tok.decode([free[0].tokens[3]], skip_special_tokens=True)  # a stop token's own text
+    assert both
+    stops = tuple(dict.fromkeys([both] + [t[8:10] for t in texts[:3] if len(t) >= 10]))
+    runs = []
+    for check in (None, every):
+        sampler = Sampler(model, tok.pad_token_id, stop_ids, tokenizer=tok, lean=lean)
+        sampler.check_every = check
+        runs.append(_flat(sampler.sample_requests(_requests(prompts, stops))))
+    each, batched = runs
+    token_won = each[-1]  # greedy: it ends on a stop token whose text is a stop string
+    assert token_won.tokens[-1] == free[0].tokens[3] and both in tok.decode(list(token_won.tokens))
+    assert token_won.stop_reason == "stop" and token_won.stop_string is None
+    assert sum(s.stop_string is not None for s in each) >= 2 and sum(s.stop_reason == "stop" for s in each) >= 4
+    for a, b in zip(each, batched):
+        assert (a.tokens, a.stop_reason, a.stop_string, a.support) == (b.tokens, b.stop_reason, b.stop_string, b.support)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_stop_strings_are_scanned_once_per_check_not_per_step(tiny, monkeypatch):
+    """With checks every 8 steps, 24 steps scan stop strings 3 times, in one decode call each."""
+    model, tok = tiny
+    prompts = _prompts(len(tok))
+    calls = []
+    decode = tok.batch_decode
+
+    def counting(*args, **kwargs):
+        calls.append(len(args[0]))
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(tok, "batch_decode", counting)
+    sampler = Sampler(model, tok.pad_token_id, [], tokenizer=tok)
+    sampler.sample(prompts, 24, 0.0, stop=("\x00never",))
+    assert len(calls) == 24 and calls[0] == len(prompts)  # the CPU checks after every step
+    calls.clear()
+    sampler.check_every = 8
+    sampler.sample(prompts, 24, 0.0, stop=("\x00never",))
+    assert calls == [8 * len(prompts)] * 3
+
+
+def test_which_device_draws_and_how_often_python_looks():
+    assert check_interval(torch.device("cpu")) == 1
+    assert check_interval(torch.device("cuda", 0)) == DEVICE_CHECK_EVERY > 1
+    assert check_interval(torch.device("cuda", 0), 2) == 2
+    with pytest.raises(ValueError, match="check_every"):
+        check_interval(torch.device("cpu"), 0)
+    assert uniforms_on_device(torch.device("cuda", 0)) and not uniforms_on_device(torch.device("cpu"))
+    assert not uniforms_on_device(torch.device("cuda", 0), False)
+    assert not torch.cuda.is_initialized()
+
+
+def test_device_uniforms_keep_a_request_independent_of_its_batch(tiny):
+    """Uniforms drawn on the model's device (here the CPU, forced) from each request's generator:
+    a request's samples are those it gets alone, whatever else shares the batch."""
+    model, tok = tiny
+    prompts = _prompts(len(tok))
+    sampler = Sampler(model, tok.pad_token_id, [])
+    sampler.device_uniforms, sampler.check_every = True, 4
+    alone = sampler.sample(prompts[:3], 12, 1.0, torch.Generator().manual_seed(1))
+    together = sampler.sample_requests([SampleRequest(prompts[3:], 5, 0.7, torch.Generator().manual_seed(2)),
+                                        SampleRequest(prompts[:3], 12, 1.0, torch.Generator().manual_seed(1))])[1]
+    assert [s.tokens for s in alone] == [s.tokens for s in together]
+    for a, b in zip(alone, together):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

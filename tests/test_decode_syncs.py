@@ -102,3 +102,31 @@ def test_device_uniforms_keep_a_request_independent_of_its_batch(tiny):
     assert [s.tokens for s in alone] == [s.tokens for s in together]
     for a, b in zip(alone, together):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("temps", [[0.0, 0.7, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [0.5, 1.3, 0.7, 2.0]])
+def test_host_temperatures_take_the_branches_the_device_values_take(temps):
+    """Per-row temperatures known on the host give bit for bit the draw that reading them from
+    the device gives (the decode loop passes them, so telling greedy rows apart needs no sync)."""
+    from tinker_pipelines.rollout.draw import sample_tokens
+
+    g = torch.Generator().manual_seed(0)
+    logits_BV = torch.randn(4, 300, generator=g) * 2
+    u_B = torch.rand(4, generator=g)
+    temp_B = torch.tensor(temps)
+    for kw in ({}, {"top_k": 20, "top_p": 0.9}):
+        want = sample_tokens(logits_BV, temp_B, uniforms_B=u_B, with_support=True, **kw)
+        got = sample_tokens(logits_BV, temp_B, uniforms_B=u_B, with_support=True, host_temperatures=temp_B.tolist(), **kw)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_host_temperatures_are_what_the_draw_reads():
+    """The branch follows the host values (here deliberately all greedy while the tensor says 1):
+    the device values were not read; a list of the wrong length is refused."""
+    from tinker_pipelines.rollout.draw import sample_tokens
+
+    logits_BV = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    tokens_B, _ = sample_tokens(logits_BV, torch.ones(3), uniforms_B=torch.zeros(3), host_temperatures=[0.0] * 3)
+    assert torch.equal(tokens_B, logits_BV.argmax(dim=-1))
+    with pytest.raises(ValueError, match="host_temperatures"):
+        sample_tokens(logits_BV, torch.ones(3), uniforms_B=torch.zeros(3), host_temperatures=[0.0])

@@ -26,8 +26,7 @@ All rows decode together. Where time goes on CPU, and what this module does abou
 
 Host syncs that remain on CUDA, per call: the prompt setup and prefill; one every
 `DEVICE_CHECK_EVERY` steps (live rows, stop strings, pruning); the read-out. Per step, only where
-the request asks for it: per-row temperatures that differ between requests (`draw._draw` tests
-for greedy rows), per-row truncation parameters (`truncation.keep_mask` reads the largest top-k)
+the request asks for it: per-row truncation parameters (`truncation.keep_mask` reads the largest top-k)
 and top-p (one per widening of its partial sort), and whatever the model's own step does.
 """
 
@@ -288,6 +287,7 @@ class Sampler:
         temps = [r.temperature for r in requests]
         uniform_temp = len(set(temps)) == 1
         temp_B = torch.tensor([temps[i] for i in req_of], device=device)
+        temps32 = torch.tensor([temps[i] for i in req_of], dtype=torch.float32).tolist()  # per original row
         maxnew_B = torch.tensor([requests[i].max_new_tokens for i in req_of], device=device)
         req_B = torch.tensor(req_of, device=device)
         # truncation: scalars when every request agrees (no per-step syncs), else one value per row
@@ -364,7 +364,8 @@ class Sampler:
             tok_B, lp_B, sup_B = sample_tokens(logits_BV, temps[0] if uniform_temp else temp_B, None,
                                                u_B if u_B is not None else torch.zeros(len(rows), device=device),
                                                **(dict(zip(("top_k", "top_p", "min_p"), trunc)) if trunc else {}),
-                                               with_support=True)
+                                               with_support=True,
+                                               host_temperatures=None if uniform_temp else [temps32[r] for r in rows])
             tok_BT[:, t] = tok_B
             lp_BT[:, t] = lp_B
             if sup_BT is not None:

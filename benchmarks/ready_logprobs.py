@@ -19,7 +19,8 @@ GPU image).
 
 Figures (last line, JSON): `peak_logprob_mb_150k_vocab`, `peak_logprob_mb_150k_vocab_old` (MB of
 peak memory above the start of the micro-batch), `logits_mb` (one [rows, positions, V] tensor of
-the model's dtype), `chunked_logprobs_max_abs_diff` and `chunked_grad_max_abs_diff` (fp32 logits,
+the model's dtype), `dtype` (the model's: fp32 on a CPU, bf16 on a GPU), on a CPU the same three
+again with a bf16 model (`*_bf16`), `chunked_logprobs_max_abs_diff` and `chunked_grad_max_abs_diff` (fp32 logits,
 new against old, logprobs and their gradient with respect to the logits), `seconds`.
 """
 
@@ -116,11 +117,13 @@ def peak_mb(fn, device: str) -> float:
     return (_status_kb("VmHWM") - before) * 1024 / 1e6
 
 
-def micro_batch_peaks(device: str = "cpu", old: bool = True) -> dict:
-    """Peak MB of one micro-batch's forward+backward, new path (and old), in this process."""
+def micro_batch_peaks(device: str = "cpu", old: bool = True, dtype: torch.dtype | None = None) -> dict:
+    """Peak MB of one micro-batch's forward+backward, new path (and old), in this process; the
+    model in `dtype` (default: fp32 on a CPU, where bf16 matmuls are slow; bf16 elsewhere)."""
     from tinker_pipelines.algorithms.losses import importance_sampling_loss
 
-    learner = _learner(build_model(device=device))
+    dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
+    learner = _learner(build_model(dtype=dtype, device=device))
     datums = micro_batch()
     learner.forward_backward(datums, importance_sampling_loss)  # warm-up: lazy allocations, oneDNN / cuBLAS
     learner.optimizer.zero_grad(set_to_none=False)  # gradients stay allocated: both passes start alike
@@ -131,15 +134,16 @@ def micro_batch_peaks(device: str = "cpu", old: bool = True) -> dict:
         with unchunked_logprobs():
             out["peak_logprob_mb_150k_vocab_old"] = peak_mb(
                 lambda: learner.forward_backward(datums, importance_sampling_loss), device)
-    out["logits_mb"] = ROWS * (SEQ - PROMPT + 1) * VOCAB * 4 / 1e6
+    out["logits_mb"] = ROWS * (SEQ - PROMPT + 1) * VOCAB * dtype.itemsize / 1e6
+    out["dtype"] = str(dtype).removeprefix("torch.")
     return out
 
 
-def cpu_peaks_in_child(old: bool = True, timeout: float = 300) -> dict:
+def cpu_peaks_in_child(old: bool = True, dtype: str = "float32", timeout: float = 300) -> dict:
     """`micro_batch_peaks` on CPU in a fresh process with the fixed mmap threshold."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
-    code = f"import json; from benchmarks.ready_logprobs import micro_batch_peaks; " \
-           f"print(json.dumps(micro_batch_peaks('cpu', old={old!r})))"
+    code = f"import json, torch; from benchmarks.ready_logprobs import micro_batch_peaks; " \
+           f"print(json.dumps(micro_batch_peaks('cpu', old={old!r}, dtype=torch.{dtype})))"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if done.returncode != 0:
@@ -174,6 +178,10 @@ def measure(device: str = "cpu") -> dict:
     """The figures in the module doc."""
     t0 = time.perf_counter()
     peaks = cpu_peaks_in_child() if device == "cpu" else micro_batch_peaks(device)
+    if device == "cpu":  # the dtype a GPU trains in, for comparison (its logits are half the size)
+        bf16 = cpu_peaks_in_child(dtype="bfloat16")
+        peaks.update({f"{k}_bf16": bf16[k] for k in ("peak_logprob_mb_150k_vocab", "peak_logprob_mb_150k_vocab_old",
+                                                     "logits_mb")})
     return {**peaks, **logprob_differences(device), "device": device, "seconds": round(time.perf_counter() - t0, 1)}
 
 

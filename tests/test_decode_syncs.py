@@ -130,3 +130,60 @@ def test_host_temperatures_are_what_the_draw_reads():
     assert torch.equal(tokens_B, logits_BV.argmax(dim=-1))
     with pytest.raises(ValueError, match="host_temperatures"):
         sample_tokens(logits_BV, torch.ones(3), uniforms_B=torch.zeros(3), host_temperatures=[0.0])
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check)")
+
+
+@CUDA
+def test_cuda_decode_checks_every_few_steps_with_device_uniforms(tiny):
+    """On CUDA: uniforms from device generators seeded by the requests' own, rows checked every
+    `DEVICE_CHECK_EVERY` steps; the same seed gives the same samples, alone or batched, and the
+    same samples as checking after every step."""
+    model, tok = tiny
+    model.to("cuda")
+    prompts = _prompts(len(tok))
+    stop_ids = [tok.eos_token_id]
+    sampler = Sampler(model, tok.pad_token_id, stop_ids, tokenizer=tok)
+    assert sampler.check_every is None and check_interval(torch.device("cuda", 0)) == DEVICE_CHECK_EVERY
+
+    def run(check, with_other):
+        sampler.check_every = check
+        reqs = [SampleRequest(prompts[:3], 20, 1.0, torch.Generator().manual_seed(1), stop=(" d",))]
+        if with_other:
+            reqs.append(SampleRequest(prompts[3:], 7, 0.0))
+        return sampler.sample_requests(reqs)[0]
+
+    base = run(None, False)
+    for other in (run(None, True), run(1, False)):
+        assert [(s.tokens, s.stop_reason, s.stop_string) for s in other] == \
+               [(s.tokens, s.stop_reason, s.stop_string) for s in base]
+        for a, b in zip(base, other):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_chunked_logprobs_match_the_unchunked_ones(dtype):
+    from tinker_pipelines.rollout.truncation import target_logprobs, target_logprobs_unchunked
+
+    g = torch.Generator().manual_seed(0)
+    logits_BKV = (torch.randn(2, 300, 5000, generator=g) * 3).to("cuda", dtype)
+    targets_BK = torch.randint(0, 5000, (2, 300), generator=g).to("cuda")
+    for kw in ({}, {"top_k": 50, "top_p": 0.9}):
+        got, want = [], []
+        for fn, out in ((target_logprobs, got), (target_logprobs_unchunked, want)):
+            x = logits_BKV.clone().requires_grad_(True)
+            lp = fn(x, targets_BK, 0.8, **kw, **({"chunk_rows": 64} if fn is target_logprobs else {}))
+            lp.sum().backward()
+            out += [lp.detach(), x.grad.float()]
+        assert torch.allclose(got[0], want[0], atol=1e-5)
+        assert torch.allclose(got[1], want[1], atol=1e-5, rtol=2 ** -7)
+
+
+@CUDA
+def test_cuda_micro_batch_peak_is_below_the_unchunked_one():
+    from benchmarks.ready_logprobs import micro_batch_peaks
+
+    peaks = micro_batch_peaks("cuda")
+    assert peaks["peak_logprob_mb_150k_vocab"] < 2 * peaks["logits_mb"] + 3 * 67.2 < peaks["peak_logprob_mb_150k_vocab_old"]

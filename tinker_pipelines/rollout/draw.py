@@ -13,7 +13,8 @@ def sample_tokens(logits_BV: torch.Tensor, temperature: float | torch.Tensor,
                   generator: torch.Generator | None = None,
                   uniforms_B: torch.Tensor | None = None, *, top_k: int | torch.Tensor = 0,
                   top_p: float | torch.Tensor = 1.0,
-                  min_p: float | torch.Tensor = 0.0, with_support: bool = False) -> tuple[torch.Tensor, ...]:
+                  min_p: float | torch.Tensor = 0.0, with_support: bool = False,
+                  host_temperatures: list[float] | None = None) -> tuple[torch.Tensor, ...]:
     """Draw one token per row; return (tokens_B, logprobs_B), and with `with_support` also
     support_B: how many tokens the truncated distribution of each row kept (0 where nothing was
     truncated, greedy rows included), which the learner needs to renormalize exactly as the draw
@@ -29,21 +30,35 @@ def sample_tokens(logits_BV: torch.Tensor, temperature: float | torch.Tensor,
     same draws whatever device the model is on). The search is right-sided: a uniform of exactly
     0 picks the first token with probability mass, never a zero-probability one; a uniform whose
     scaled value rounds up to the total mass picks the last token with mass (not the last token).
+
+    `host_temperatures`: the values of a per-row `temperature` tensor, as Python floats of its
+    dtype (`tensor.tolist()`), when the caller has them: which rows are greedy is then read from
+    them instead of from the device (no host sync per call on a GPU; the same branches).
     """
     out = _draw(logits_BV.float(), temperature, generator, uniforms_B,
-                (top_k, top_p, min_p) if is_active(top_k, top_p, min_p) else None)
+                (top_k, top_p, min_p) if is_active(top_k, top_p, min_p) else None, host_temperatures)
     return out if with_support else out[:2]
 
 
 def _draw(logits_BV: torch.Tensor, temperature: float | torch.Tensor, generator: torch.Generator | None,
-          uniforms_B: torch.Tensor | None, truncation: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          uniforms_B: torch.Tensor | None, truncation: tuple | None, host_temperatures: list[float] | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, V = logits_BV.shape
     if isinstance(temperature, torch.Tensor):
         temp_B = temperature.to(logits_BV.device, torch.float32)
         greedy_B = temp_B.eq(0)
-        if not greedy_B.any():
-            temperature = 1.0 if bool(temp_B.eq(1).all()) else temp_B[:, None]
-        elif bool(greedy_B.all()):
+        if host_temperatures is not None:
+            if len(host_temperatures) != B:
+                raise ValueError(f"host_temperatures has {len(host_temperatures)} values for {B} rows")
+            any_greedy, all_greedy = 0 in host_temperatures, all(x == 0 for x in host_temperatures)
+            all_one = all(x == 1 for x in host_temperatures)
+        else:
+            any_greedy = bool(greedy_B.any())
+            all_greedy = any_greedy and bool(greedy_B.all())
+            all_one = not any_greedy and bool(temp_B.eq(1).all())
+        if not any_greedy:
+            temperature = 1.0 if all_one else temp_B[:, None]
+        elif all_greedy:
             temperature = 0.0
         else:
             scaled = logits_BV / torch.where(greedy_B, 1.0, temp_B)[:, None]

@@ -17,8 +17,17 @@ All rows decode together. Where time goes on CPU, and what this module does abou
   prompt shares (a system prompt, a task's instructions: `shared_prefix`) is prefilled once
   per adapter and copied into each row's cache; the logprobs then differ from a full prefill's
   by float rounding (~1e-5 on SmolLM2; greedy tokens still equal `generate`'s).
-- Python touches per-step results only to test for stops (one boolean per step); tokens and
-  logprobs stay in tensors until a row is read out.
+- Tokens and logprobs stay in tensors until a row is read out. Stop tokens and lengths end rows
+  on the device; Python looks at them (one host sync) every step on a CPU, where a sync costs
+  nothing, and every `DEVICE_CHECK_EVERY` steps elsewhere (`Sampler.check_every`), where each
+  one drains the device's queue. Stop strings are scanned at those checks, for every step since
+  the last one, so rows end exactly where a scan after every step would end them. On CUDA the
+  uniforms are drawn on the device (`_UniformSource`).
+
+Host syncs that remain on CUDA, per call: the prompt setup and prefill; one every
+`DEVICE_CHECK_EVERY` steps (live rows, stop strings, pruning); the read-out. Per step, only where
+the request asks for it: per-row truncation parameters (`truncation.keep_mask` reads the largest top-k)
+and top-p (one per widening of its partial sort), and whatever the model's own step does.
 """
 
 from __future__ import annotations
@@ -41,6 +50,11 @@ from tinker_pipelines.rollout.truncation import check_params, is_active
 
 
 log = logging.getLogger(__name__)
+
+DEVICE_CHECK_EVERY = 8
+"""Decode steps between host checks for finished rows on a device other than the CPU: a row that
+ends runs up to this many steps more (its extra tokens are dropped), against one device sync per
+step."""
 
 
 class ContextOverflowError(ValueError):
@@ -78,6 +92,12 @@ class Sampler:
         self.counts = {"mixed_batches": 0, "mixed_batch_errors": 0}
         """Batches of several requests `sample_each` decoded together, and those that failed and
         were rerun one request at a time (each logged with its cause)."""
+        self.check_every: int | None = None
+        """Decode steps between host checks for finished rows and stop strings (None: every step
+        on a CPU, `DEVICE_CHECK_EVERY` elsewhere). Samples do not depend on it; a request's
+        generator draws until the check after its last row finished."""
+        self.device_uniforms: bool | None = None
+        """Draw the uniforms on the model's device (None: on CUDA; `_UniformSource`)."""
 
     def invalidate(self) -> None:
         """Drop the fused weights and stored prompt keys/values (weights changed behind torch's
@@ -115,7 +135,8 @@ class Sampler:
 
         Every row's tokens depend only on its prompt, its adapter and its request's uniforms, not
         on which other rows share the batch: a request's generator is advanced by one uniform per
-        prompt and step while any of its rows is live, exactly as if it were sampled alone. When
+        prompt and step while any of its rows is live (up to the next check for finished rows,
+        `check_every`), exactly as if it were sampled alone. When
         requests name LoRA adapters, all rows go through one base pass per step plus each row's
         own adapter delta (`LeanLlamaDecoder` with per-row adapters)."""
         for r in requests:
@@ -276,6 +297,7 @@ class Sampler:
         temps = [r.temperature for r in requests]
         uniform_temp = len(set(temps)) == 1
         temp_B = torch.tensor([temps[i] for i in req_of], device=device)
+        temps32 = torch.tensor([temps[i] for i in req_of], dtype=torch.float32).tolist()  # per original row
         maxnew_B = torch.tensor([requests[i].max_new_tokens for i in req_of], device=device)
         req_B = torch.tensor(req_of, device=device)
         # truncation: scalars when every request agrees (no per-step syncs), else one value per row
@@ -314,58 +336,66 @@ class Sampler:
                                           "stop" if hit is not None or toks[j][n - 1] in stop_set else "length", hit,
                                           support)
 
-        def stop_string_hits(t: int, candidates_B: torch.Tensor) -> list[int]:
-            """Batch rows among `candidates_B` whose text now contains one of their stop strings."""
-            idx = [i for i in candidates_B.nonzero().squeeze(1).tolist() if requests[req_of[rows[i]]].stop]
+        def stop_string_hits(t_from: int, t_to: int) -> None:
+            """End the rows whose text came to contain one of their stop strings at a step in
+            [t_from, t_to], at the first such step, exactly as a scan after every step would: a
+            row is tested at the steps it was live at, except one that a stop token ended (a
+            stop token wins over a stop string completed by the same token)."""
+            idx = [i for i in range(len(rows)) if requests[req_of[rows[i]]].stop]
             if not idx:
-                return []
-            tails = self.tokenizer.batch_decode(tok_BT[idx, max(0, t + 1 - window):t + 1].tolist(),
-                                                skip_special_tokens=True)
-            hits = []
-            for i, text in zip(idx, tails):
-                found = [(text.find(x), x) for x in requests[req_of[rows[i]]].stop if x in text]
+                return
+            lo = max(0, t_from + 1 - window)
+            toks, ends = tok_BT[idx, lo:t_to + 1].tolist(), end_B[idx].tolist()
+            windows, owners = [], []
+            for j, i in enumerate(idx):
+                for s in range(t_from, min(t_to, ends[j] - 1) + 1):
+                    if s == ends[j] - 1 and toks[j][s - lo] in stop_set:
+                        continue
+                    windows.append(toks[j][max(0, s + 1 - window) - lo:s + 1 - lo])
+                    owners.append((i, s))
+            if not windows:
+                return
+            first: dict[int, int] = {}
+            for (i, s), text in zip(owners, self.tokenizer.batch_decode(windows, skip_special_tokens=True)):
+                found = [(text.find(x), x) for x in requests[req_of[rows[i]]].stop if x in text] if i not in first else []
                 if found:
                     stop_hit[rows[i]] = min(found)[1]
-                    hits.append(i)
-            return hits
+                    first[i] = s + 1
+            if first:
+                hit = torch.tensor(list(first), device=device)
+                end_B[hit] = torch.tensor(list(first.values()), device=device)
+                live_B[hit] = False
 
-        def uniforms() -> torch.Tensor | None:
-            parts, drew = [], False
-            for i, r in enumerate(requests):
-                n = len(r.prompts)
-                if r.temperature > 0 and req_live[i] > 0:
-                    gen = r.generator
-                    parts.append(torch.rand(n, generator=gen, device=gen.device if gen is not None else "cpu").cpu())
-                    drew = True
-                else:
-                    parts.append(torch.zeros(n))
-            if not drew:
-                return None
-            return torch.cat(parts).to(device).index_select(0, row_idx)
-
+        draw = _UniformSource(requests, device, self.device_uniforms)
+        check_every = check_interval(device, self.check_every)
+        scanned, n_live = 0, B  # steps whose stop strings were scanned; live rows at the last check
         for t in range(M):
-            u_B = uniforms()
+            u_B = draw(req_live, row_idx)
             tok_B, lp_B, sup_B = sample_tokens(logits_BV, temps[0] if uniform_temp else temp_B, None,
                                                u_B if u_B is not None else torch.zeros(len(rows), device=device),
                                                **(dict(zip(("top_k", "top_p", "min_p"), trunc)) if trunc else {}),
-                                               with_support=True)
+                                               with_support=True,
+                                               host_temperatures=None if uniform_temp else [temps32[r] for r in rows])
             tok_BT[:, t] = tok_B
             lp_BT[:, t] = lp_B
             if sup_BT is not None:
                 sup_BT[:, t] = sup_B
+            # stop tokens and lengths end rows on the device; Python looks every `check_every` steps
             done_B = is_stop_V[tok_B] & live_B if stop_ids else torch.zeros_like(live_B)
-            if window > 3:
-                hits = stop_string_hits(t, live_B & ~done_B)
-                if hits:
-                    done_B[hits] = True
             if ends_by_length:
                 done_B |= maxnew_B.eq(t + 1) & live_B
-            if done_B.any():
-                end_B = torch.where(done_B, torch.minimum(end_B, torch.full_like(end_B, t + 1)), end_B)
-                live_B &= ~done_B
-                n_live = int(live_B.sum())
-                counts = torch.bincount(req_B[live_B], minlength=len(requests)).tolist()
-                req_live[:] = counts
+            end_B = torch.where(done_B, torch.minimum(end_B, torch.full_like(end_B, t + 1)), end_B)
+            live_B &= ~done_B
+            if (t + 1) % check_every and t != M - 1:
+                logits_BV = decoder.step(tok_B, t)
+                continue
+            if window > 3:
+                stop_string_hits(scanned, t)
+                scanned = t + 1
+            live_now = int(live_B.sum())
+            finished, n_live = live_now < n_live, live_now
+            if finished:
+                req_live[:] = torch.bincount(req_B[live_B], minlength=len(requests)).tolist()
                 if n_live == 0 or t == M - 1:
                     break
                 n_rows = live_B.shape[0]
@@ -386,6 +416,63 @@ class Sampler:
             logits_BV = decoder.step(tok_B, t)
         read_out(list(range(len(rows))), M)
         return [results[offsets[i]:offsets[i + 1]] for i in range(len(requests))]  # type: ignore[misc]
+
+
+def uniforms_on_device(device: torch.device, override: bool | None = None) -> bool:
+    """Whether decode draws its uniforms on `device` (`Sampler.device_uniforms`; None: on CUDA)."""
+    return device.type == "cuda" if override is None else override
+
+
+def check_interval(device: torch.device, override: int | None = None) -> int:
+    """Decode steps between host checks for finished rows (`Sampler.check_every`; None: every step
+    on a CPU, `DEVICE_CHECK_EVERY` elsewhere)."""
+    if override is not None and override < 1:
+        raise ValueError(f"check_every must be >= 1, got {override}")
+    return override or (1 if device.type == "cpu" else DEVICE_CHECK_EVERY)
+
+
+class _UniformSource:
+    """The decode loop's uniforms, one per row and step, from each request's generator.
+
+    Where they are drawn (`on_device`; default: on a CUDA device, not on a CPU): on the CPU, each
+    request's generator draws on its own device and the draws are copied to the model's device:
+    the stream of tokens is the same whatever device the model is on. On the device (no per-step
+    host-to-device copy, which waits for the device to drain), a request whose generator is a CPU
+    one gets a device generator seeded by one draw from it at the start of the call (so the
+    request's samples are still a function of its generator's state alone, but not the CPU
+    stream's); a device generator draws directly; no generator: the device's default one."""
+
+    def __init__(self, requests: list[SampleRequest], device: torch.device, on_device: bool | None):
+        self.requests, self.device = requests, device
+        self.on_device = uniforms_on_device(device, on_device)
+        self.gens: list[torch.Generator | None] = [r.generator for r in requests]
+        if self.on_device:
+            self.gens = [self._device_generator(r.generator) if r.temperature > 0 else None for r in requests]
+
+    def _device_generator(self, gen: torch.Generator | None) -> torch.Generator | None:
+        if gen is None or gen.device == self.device:
+            return gen
+        seed = int(torch.randint(0, 2 ** 62, (1,), generator=gen, device=gen.device))
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def __call__(self, req_live: list[int], row_idx: torch.Tensor) -> torch.Tensor | None:
+        """Uniforms for the batch's rows (None when every live request is greedy); a request
+        draws one per prompt while `req_live` says any of its rows is live."""
+        parts, drew = [], False
+        for i, r in enumerate(self.requests):
+            n = len(r.prompts)
+            if r.temperature > 0 and req_live[i] > 0:
+                gen = self.gens[i]
+                if self.on_device:
+                    parts.append(torch.rand(n, generator=gen, device=self.device))
+                else:
+                    parts.append(torch.rand(n, generator=gen, device=gen.device if gen is not None else "cpu").cpu())
+                drew = True
+            else:
+                parts.append(torch.zeros(n, device=self.device if self.on_device else "cpu"))
+        if not drew:
+            return None
+        return torch.cat(parts).to(self.device).index_select(0, row_idx)
 
 
 class _NotHostable(Exception):

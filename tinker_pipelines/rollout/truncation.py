@@ -29,6 +29,7 @@ parameters and always keeps the target token, whose logprob stays finite (`targe
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -99,12 +100,19 @@ def keep_mask(logprobs_NV: torch.Tensor, top_k: int | torch.Tensor = 0, top_p: f
     return keep if keep is not None else torch.ones(lp.shape, dtype=torch.bool, device=dev)
 
 
+CHUNK_ELEMENTS = 1 << 24
+"""Logits per chunk of `target_logprobs` (rows x vocabulary): 64 MiB per fp32 chunk tensor, so
+at a 152k vocabulary a chunk is ~110 positions and its few fp32 temporaries stay a few hundred
+MiB whatever the micro-batch."""
+
+
 def target_logprobs(logits_BKV: torch.Tensor, targets_BK: torch.Tensor, temperature: float | torch.Tensor,
                     top_k: int | torch.Tensor = 0, top_p: float | torch.Tensor = 1.0,
-                    min_p: float | torch.Tensor = 0.0, support_BK: torch.Tensor | None = None) -> torch.Tensor:
-    """The learner's logprob of each target [B, K] under the sampling distribution: softmax of
-    logits / temperature, truncated and renormalized as the sampler does. Per-row parameters are
-    [B, 1] (temperature [B, 1, 1]). With every truncation off this is exactly the plain
+                    min_p: float | torch.Tensor = 0.0, support_BK: torch.Tensor | None = None, *,
+                    chunk_rows: int | None = None) -> torch.Tensor:
+    """The learner's logprob of each target [B, K] (fp32) under the sampling distribution: softmax
+    of logits / temperature, truncated and renormalized as the sampler does. Per-row parameters
+    are [B, 1] (temperature [B, 1, 1]). With every truncation off this is exactly the plain
     `log_softmax(logits / temperature).gather(targets)`.
 
     `support_BK` is the size of the set the sampler kept when it drew each target (`Sample.support`;
@@ -112,7 +120,130 @@ def target_logprobs(logits_BKV: torch.Tensor, targets_BK: torch.Tensor, temperat
     `n`, instead of recomputing the cut from the parameters: a token within float error of a cut
     then cannot land on the other side of it (see `top_n_logprobs`). Elsewhere the target is
     always kept: a token the sampler drew has mass, even where float error puts it just outside
-    the learner's cut."""
+    the learner's cut.
+
+    Memory: the B*K positions are taken `chunk_rows` at a time (default: `CHUNK_ELEMENTS` logits
+    per chunk); only a chunk is upcast to fp32, and backward recomputes each chunk's softmax
+    instead of keeping it, writing the gradient into one tensor of the logits' shape and dtype.
+    So beyond the logits and their gradient, forward and backward hold a few chunk-sized fp32
+    tensors, never a [B, K, V] one. The numbers are those of `target_logprobs_unchunked` (each
+    row computes the same operations; gradients agree to float rounding). `temperature` is not
+    differentiated."""
+    B, K, V = logits_BKV.shape
+    if isinstance(temperature, torch.Tensor) and temperature.requires_grad:
+        raise ValueError("temperature must not require grad (target_logprobs does not differentiate it)")
+    rows = chunk_rows if chunk_rows is not None else max(1, CHUNK_ELEMENTS // max(V, 1))
+    if rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+
+    def per_row(x, dtype=None):  # a per-row tensor as one value per flattened position
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return x
+        return x.to(logits_BKV.device, dtype).reshape(x.shape[0], -1).expand(B, K).reshape(B * K)
+
+    sized = support_BK.gt(0) if support_BK is not None else None
+    plan = _Plan(temperature=per_row(temperature, torch.float32),
+                 truncation=tuple(per_row(x) for x in (top_k, top_p, min_p)),
+                 active=is_active(top_k, top_p, min_p),
+                 support_N=support_BK.reshape(B * K) if sized is not None and bool(sized.any()) else None,
+                 all_sized=sized is not None and bool(sized.all()), rows=rows)
+    return _ChunkedTargetLogprobs.apply(logits_BKV.reshape(B * K, V), targets_BK.reshape(B * K), plan).view(B, K)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """`target_logprobs`'s parameters per flattened position, and what it decided once for the
+    whole batch (so every chunk takes the branches the unchunked computation takes)."""
+
+    temperature: float | torch.Tensor
+    truncation: tuple
+    active: bool
+    support_N: torch.Tensor | None
+    all_sized: bool
+    rows: int
+
+    def chunk(self, s: slice) -> tuple:
+        """(temperature, truncation, support) of the rows `s`."""
+        def cut(x):
+            return x[s] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+        temp = self.temperature
+        temp = temp[s, None] if isinstance(temp, torch.Tensor) and temp.dim() > 0 else temp
+        return temp, tuple(cut(x) for x in self.truncation), cut(self.support_N)
+
+    @property
+    def plain(self) -> bool:
+        return not self.active and self.support_N is None
+
+
+def _chunk_logprobs(logits_CV: torch.Tensor, targets_C: torch.Tensor, plan: _Plan, s: slice) -> torch.Tensor:
+    """`target_logprobs_unchunked` on rows `s`, with the branches the plan took for the batch."""
+    temperature, truncation, support_C = plan.chunk(s)
+    logprobs_CV = torch.log_softmax(logits_CV.float() / temperature, dim=-1)
+    target_C = logprobs_CV.gather(-1, targets_C[:, None]).squeeze(-1)
+    if plan.all_sized:
+        return top_n_logprobs(logprobs_CV, target_C, support_C)
+    if not plan.active:
+        by_params_C = target_C
+    else:
+        keep = keep_mask(logprobs_CV, *truncation)
+        keep.scatter_(-1, targets_C[:, None], True)
+        by_params_C = target_C - torch.logsumexp(logprobs_CV.masked_fill(~keep, -math.inf), dim=-1)
+    if support_C is None:
+        return by_params_C
+    sized_C = support_C.gt(0)
+    if not bool(sized_C.any()):  # where() would pick by_params everywhere
+        return by_params_C
+    return torch.where(sized_C, top_n_logprobs(logprobs_CV, target_C, support_C), by_params_C)
+
+
+class _ChunkedTargetLogprobs(torch.autograd.Function):
+    """Chunked forward; backward recomputes each chunk (a plain chunk loop under autograd would
+    keep every chunk's fp32 softmax, i.e. [B, K, V] in fp32 again, and torch.utils.checkpoint per
+    chunk sums per-chunk gradients through full-size slice backwards)."""
+
+    @staticmethod
+    def forward(ctx, logits_NV: torch.Tensor, targets_N: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        N = logits_NV.shape[0]
+        lp_N = torch.empty(N, dtype=torch.float32, device=logits_NV.device)
+        for i in range(0, N, plan.rows):
+            s = slice(i, min(N, i + plan.rows))
+            lp_N[s] = _chunk_logprobs(logits_NV[s], targets_N[s], plan, s)
+        ctx.save_for_backward(logits_NV, targets_N)
+        ctx.plan = plan
+        return lp_N
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_N: torch.Tensor):
+        logits_NV, targets_N = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        N = logits_NV.shape[0]
+        grad_NV = torch.empty_like(logits_NV)
+        for i in range(0, N, plan.rows):
+            s = slice(i, min(N, i + plan.rows))
+            if plan.plain:  # d/dz log_softmax(z)[t] = onehot(t) - softmax(z), then / temperature
+                temperature = plan.chunk(s)[0]
+                g_C1 = grad_N[s, None].float()
+                grad_CV = torch.log_softmax(logits_NV[s].float() / temperature, dim=-1).exp_().mul_(-g_C1)
+                grad_CV.scatter_add_(1, targets_N[s, None], g_C1)
+                grad_NV[s] = grad_CV.div_(temperature)
+            else:  # truncated sets: the same operations as forward, differentiated per chunk
+                with torch.enable_grad():
+                    x_CV = logits_NV[s].detach().requires_grad_(True)
+                    lp_C = _chunk_logprobs(x_CV, targets_N[s], plan, s)
+                    (grad_NV[s],) = torch.autograd.grad(lp_C, x_CV, grad_N[s])
+        return grad_NV, None, None
+
+
+def target_logprobs_unchunked(logits_BKV: torch.Tensor, targets_BK: torch.Tensor, temperature: float | torch.Tensor,
+                              top_k: int | torch.Tensor = 0, top_p: float | torch.Tensor = 1.0,
+                              min_p: float | torch.Tensor = 0.0, support_BK: torch.Tensor | None = None
+                              ) -> torch.Tensor:
+    """`target_logprobs` computed over the whole [B, K, V] at once in fp32 (several fp32 copies of
+    the logits, all kept for backward: ~40 GB at V = 152k, K = 1k, B = 64). Kept as the reference
+    the chunked computation is tested and measured against."""
     logprobs_BKV = torch.log_softmax(logits_BKV.float() / temperature, dim=-1)
     target_BK = logprobs_BKV.gather(-1, targets_BK[..., None]).squeeze(-1)
     sized_BK = support_BK.gt(0) if support_BK is not None else None

@@ -240,3 +240,19 @@ def test_replay_audit_reports_malformed_grants_without_calling_them_sharing():
                            AuditEvent(2, 1.0, "grant", 2, (5,), EXCL)], Inventory.from_config(ONE_GPU))
     assert len(report.violations) == 2 and not report.exclusive_shared and not report.oversubscribed
     assert report.busy_s == (0.0,) and report.span_s == 1.0
+
+
+def test_a_pinned_request_gets_only_its_device_or_waits(path):
+    """`only=`: how a worker leases the very device its step leased."""
+    inventory = Inventory.from_config({"devices": [{"memory_gb": 16}, {"memory_gb": 8}]})
+    ledger = Ledger(path)
+    me = LeaseOwner.current()
+    assert ledger.acquire(me, StepNeeds(1, 2, "lora"), inventory, timeout_s=1, only=(1,)).devices == (1,)
+    held = ledger.acquire(me, StepNeeds(1, 0, "exclusive"), inventory, timeout_s=1, only=(0,))
+    with pytest.raises(TimeoutError):  # device 0 is held exclusively; device 1 is not allowed
+        ledger.acquire(me, StepNeeds(1, 2, "lora"), inventory, timeout_s=0.2, poll_s=0.05, only=(0,))
+    ledger.release(held)
+    with pytest.raises(ValueError, match="can never be placed"):  # device 1 has 8 GB
+        ledger.acquire(me, StepNeeds(1, 10, "lora"), inventory, timeout_s=1, only=(1,))
+    with pytest.raises(ValueError, match=r"on devices \[5\]"):
+        ledger.acquire(me, StepNeeds(1, 2, "lora"), inventory, timeout_s=1, only=(5,))

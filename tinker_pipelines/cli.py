@@ -172,7 +172,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
         problem = socket_path_problem(socket.absolute())  # before loading the model
         if problem:
             raise ValueError(f"--socket {socket}: {problem}")
-    except (ValueError, ImportError, json.JSONDecodeError) as e:
+        from tinker_pipelines.scheduler.step_entry import hold_worker_lease
+
+        # Started by a leased step: hold the step's device for as long as this worker lives, so
+        # no exclusive step is placed where the base model sits (released when this process exits)
+        lease = hold_worker_lease(os.environ, device.index if device.type == "cuda" else None,
+                                  args.lease_memory_gb, args.lease_timeout_s)
+        if lease is not None:
+            print(f"worker lease {lease.id}: device {lease.devices[0]} ({lease.needs})", flush=True)
+    except (ValueError, ImportError, json.JSONDecodeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import torch
@@ -238,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--park-ttl-s", type=float, default=600.0,
                    help="how long an adapter a finished step process parked waits for the next one to claim it")
     w.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    w.add_argument("--lease-memory-gb", type=float, default=None,
+                   help="started by a leased step: GB its own lease reserves on the step's device "
+                        "(default: what the step reserved)")
+    w.add_argument("--lease-timeout-s", type=float, default=120.0,
+                   help="started by a leased step: how long to wait for its own lease")
     w.add_argument("--import", dest="imports", action="append", default=[],
                    help="import this module first (custom algorithms registered there); repeatable")
     w.set_defaults(func=cmd_worker)

@@ -59,11 +59,18 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     """`model.device`: 'auto' is the current CUDA device when there is one, else the CPU.
 
     Raises `ValueError` naming the field for a malformed value or a CUDA device this machine
-    does not have (checked before any model loads)."""
+    does not have (checked before any model loads). Does not initialise CUDA: it counts the
+    visible GPUs through NVML (`torch.cuda.device_count`), so a process may resolve its device
+    before `CUDA_VISIBLE_DEVICES` is final (a step before its lease)."""
     if isinstance(device, torch.device):
         return device
+    count = torch.cuda.device_count()  # NVML-based where NVML is there; torch.cuda.is_available() may start CUDA
+
+    def current() -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
+
     if device == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return current() if count > 0 else torch.device("cpu")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
@@ -71,12 +78,13 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"model.device must be {DEVICE_CHOICES}, got {device!r}")
     if dev.type == "cuda":
-        if not torch.cuda.is_available():
+        if count == 0:
             raise ValueError(f"model.device is {device!r} but this machine has no CUDA device (use 'auto' or 'cpu')")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"model.device is {device!r} but this machine has {torch.cuda.device_count()} CUDA devices")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"model.device is {device!r} but this machine has {count} CUDA device(s) "
+                             f"(cuda:0..cuda:{count - 1})")
         if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+            dev = current()
     return dev
 
 

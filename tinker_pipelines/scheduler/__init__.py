@@ -1,8 +1,10 @@
 """The GPU-aware scheduler: pure parts, then the Dagster side built on them (only `executor` and
 a step process's `step_launch` import dagster).
 
-- `inventory`: `Device` and `Inventory` — the real CUDA devices (`Inventory.detect()`, one CPU
-  device when there is no GPU) or a simulated set (`Inventory.from_config(...)`).
+- `inventory`: `Device` and `Inventory` — the real GPUs (`Inventory.detect()` through NVML,
+  never starting CUDA; limited by an inherited CUDA_VISIBLE_DEVICES, whose entries a lease's
+  child gets: `lease_visible_devices`; one CPU device when there is no NVIDIA driver) or a
+  simulated set (`Inventory.from_config(...)`).
 - `placement`: `StepNeeds` parsed from op tags (`tinker/devices`, `tinker/memory_gb`,
   `tinker/sharing`), `place` (best-fit packing of 'lora' steps, whole idle devices for
   'exclusive' ones, never over-subscribed), `check_fits` (fail at once on a request that can

@@ -26,7 +26,7 @@ from dagster._core.execution.retries import RetryMode, get_retries_config
 from dagster._core.executor.step_delegating import (CheckStepHealthResult, StepDelegatingExecutor, StepHandler,
                                                     StepHandlerContext)
 
-from tinker_pipelines.scheduler.inventory import Inventory
+from tinker_pipelines.scheduler.inventory import Inventory, InventoryError
 from tinker_pipelines.scheduler.placement import StepNeeds, check_fits, needs_from_tags
 from tinker_pipelines.scheduler.step_entry import NEVER_FITS_EXIT
 from tinker_pipelines.scheduler.step_launch import LAUNCHES, StepProcess, code_location, launch
@@ -83,7 +83,8 @@ class DeviceStepHandler(StepHandler):
         spec = None if needs is None else {"devices": needs.devices, "memory_gb": needs.memory_gb,
                                            "sharing": needs.sharing, "timeout_s": self.timeout_s,
                                            "poll_s": self.poll_s}
-        lease_args = (self.ledger_path, json.dumps(self.inventory_config), json.dumps(spec), run_id, step_key)
+        # the inventory as detected here: a step that detected its own would start CUDA before its lease
+        lease_args = (self.ledger_path, json.dumps(self.inventory.to_config()), json.dumps(spec), run_id, step_key)
         args = ctx.execute_step_args
         self._procs[(run_id, step_key)] = launch(self.step_launch, lease_args, list(args.get_command_args()),
                                                  code_location(args.job_origin.repository_origin.code_pointer))
@@ -146,7 +147,10 @@ def gpu_executor(init_context: dg.InitExecutorContext) -> StepDelegatingExecutor
         raise dg.DagsterInvalidConfigError(f"gpu_executor.step_launch must be one of {', '.join(LAUNCHES)}, "
                                            f"got {cfg['step_launch']!r}", [], cfg["step_launch"])
     ledger = cfg.get("ledger_path") or str(Path(init_context.instance.root_directory) / LEDGER_FILE)
-    handler = DeviceStepHandler(inventory, ledger, cfg.get("acquire_timeout_s"), step_launch=cfg["step_launch"])
+    try:
+        handler = DeviceStepHandler(inventory, ledger, cfg.get("acquire_timeout_s"), step_launch=cfg["step_launch"])
+    except InventoryError as e:  # a broken driver: the run fails saying so, never becomes one CPU device
+        raise dg.DagsterInvariantViolationError(f"gpu_executor: {e}") from None
     return StepDelegatingExecutor(handler, retries=RetryMode.from_config(cfg["retries"]),
                                   max_concurrent=cfg.get("max_concurrent"), check_step_health_interval_seconds=1,
                                   sleep_seconds=cfg["poll_interval_s"])

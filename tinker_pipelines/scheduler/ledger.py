@@ -28,9 +28,9 @@ import os
 import socket
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tinker_pipelines.scheduler.audit import AuditEvent, AuditReport, replay_audit
@@ -166,10 +166,19 @@ class Ledger:
             con.executescript(_SCHEMA)
 
     def acquire(self, owner: LeaseOwner, needs: StepNeeds, inventory: Inventory,
-                timeout_s: float | None = None, poll_s: float = 0.5) -> Lease:
+                timeout_s: float | None = None, poll_s: float = 0.5, only: Collection[int] | None = None) -> Lease:
         """Block until `place` grants devices; ValueError at once if it never can, TimeoutError
-        after `timeout_s` (None: wait forever)."""
+        after `timeout_s` (None: wait forever). `only`: the devices it may be granted (a worker
+        leases the very device its step leased)."""
         check_fits(needs, inventory)
+        pinned: tuple[int, ...] = ()
+        if only is not None:
+            only = set(only)
+            if not only <= set(range(len(inventory))) or len(only) < needs.devices:
+                raise ValueError(f"cannot lease {needs} on devices {sorted(only)} of an inventory of {len(inventory)}")
+            check_fits(needs, Inventory(tuple(replace(d, index=i) for i, d in
+                                              enumerate(d for d in inventory if d.index in only))))
+            pinned = tuple(i for i in range(len(inventory)) if i not in only)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         # The waiter is this polling process (the owner may be another one), so a dead poller's
         # row is dropped; a live poller whose row was dropped as stale (a long pause) rejoins
@@ -192,9 +201,9 @@ class Ledger:
                     leases = self._leases(con)
                     head = con.execute("SELECT ticket, since, needs FROM waiting ORDER BY since, ticket LIMIT 1"
                                        ).fetchone()
-                    exclude: tuple[int, ...] = ()
+                    exclude: tuple[int, ...] = pinned
                     if head[0] != ticket and starving(head[1], now, self.starve_after_s):
-                        exclude = reserve(StepNeeds(**json.loads(head[2])), inventory, leases)
+                        exclude += reserve(StepNeeds(**json.loads(head[2])), inventory, leases)
                     devices = place(needs, inventory, leases, exclude)
                     if devices is not None:
                         lease_id = con.execute(

@@ -14,8 +14,11 @@ What keeps a forked step equivalent to a fresh one:
   only when the step's environment and directory are the server's; otherwise the step forgets
   them and imports the location afresh (`location_preload.refresh`).
 - The server imports torch but never touches CUDA (`PYTORCH_NVML_BASED_CUDA_CHECK=1` in its
-  environment keeps even an availability check from initialising the driver), so each step sets
-  `CUDA_VISIBLE_DEVICES` for its lease before CUDA starts, exactly as a fresh process does.
+  environment keeps even an availability check from initialising the driver), and a step never
+  detects devices (the executor passes its inventory down), so each step sets
+  `CUDA_VISIBLE_DEVICES` for its lease before CUDA starts, exactly as a fresh process does;
+  `step_entry.apply_lease` makes a step whose CUDA started earlier fail instead of running on
+  the wrong GPU.
 - The step leads its own session (`os.setsid`), so terminating it signals its process group,
   and it takes its lease as itself: the lease dies with it, however it exits.
 """
@@ -34,7 +37,7 @@ from multiprocessing.context import set_spawning_popen
 from typing import Any, Protocol
 
 from tinker_pipelines.scheduler.location_preload import LOCATION_ENV
-from tinker_pipelines.scheduler.step_entry import NEVER_FITS_EXIT, lease_environment
+from tinker_pipelines.scheduler.step_entry import NEVER_FITS_EXIT, apply_lease, lease_environment
 
 LAUNCHES = ("forkserver", "process")
 """Values of the executor's `step_launch` config."""
@@ -147,14 +150,22 @@ def launch(how: str, lease_args: tuple[str, str, str, str, str], command: list[s
                                  *command], start_new_session=True)
     if how != "forkserver":
         raise ValueError(f"gpu_executor.step_launch must be one of {', '.join(LAUNCHES)}, got {how!r}")
+    return fork_leased(lease_args, _run_dagster_step, (command,), location)
+
+
+def fork_leased(lease_args: tuple[str, str, str, str, str], target: Any, args: tuple = (),
+                location: dict[str, str] | None = None) -> StepProcess:
+    """Fork a process from the step server that takes its lease as a step does, then calls
+    `target(*args)` (a module-level function): the executor's steps (`launch`), and checks of
+    the leased device itself (`benchmarks.ready_device`)."""
     _ensure_forkserver(location)
-    process = _StepProcess(target=_forked_step, args=(lease_args, command, dict(os.environ), os.getcwd(), location),
-                           name=f"step {lease_args[4]}", daemon=False)
+    process = _StepProcess(target=_forked_step, args=(lease_args, target, args, dict(os.environ), os.getcwd(),
+                                                      location), name=f"step {lease_args[4]}", daemon=False)
     process.start()
     return _ForkedStep(process)
 
 
-def _forked_step(lease_args: tuple[str, str, str, str, str], command: list[str], environ: dict[str, str],
+def _forked_step(lease_args: tuple[str, str, str, str, str], target: Any, args: tuple, environ: dict[str, str],
                  cwd: str, location: dict[str, str] | None) -> None:
     os.setsid()
     from tinker_pipelines.scheduler import location_preload
@@ -168,10 +179,14 @@ def _forked_step(lease_args: tuple[str, str, str, str, str], command: list[str],
     front = [cwd, *[p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
     sys.path[:] = front + [p for p in sys.path if p not in front]
     try:
-        os.environ.update(lease_environment(*lease_args))
-    except (ValueError, TimeoutError) as e:
+        apply_lease(lease_environment(*lease_args))
+    except (ValueError, TimeoutError, RuntimeError) as e:
         print(f"error: step {lease_args[4]} of run {lease_args[3]}: {e}", file=sys.stderr, flush=True)
         sys.exit(NEVER_FITS_EXIT)
+    target(*args)
+
+
+def _run_dagster_step(command: list[str]) -> None:
     from dagster._cli.api import execute_step_command
 
     args = command[command.index("execute_step") + 1:]

@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the workers
     out = Path(tempfile.mkdtemp(prefix="multi-lora-"))
     seeds = list(range(1, N_EXP + 1))
-    print(f"model {args.model} ({DTYPE} on {DEVICE}), {N_EXP} experiments, {args.iterations} iterations each; load avg {os.getloadavg()[0]:.2f}; "
+    print(f"model {args.model} ({DTYPE} on {DEVICE}), {N_EXP} experiments, {args.iterations} iterations each; "
+          f"load avg {os.getloadavg()[0]:.2f}; "
           f"worker logs in {out}")
 
     tps = sampling_part(args.model, reps=args.sampling_reps)

@@ -3,7 +3,9 @@
     python -m benchmarks.multi_lora [--model smollm2-135m-instruct] [--iterations 2]
 
 `--model` is a catalog name or a model directory (scripts/gpu_check passes one of SmolLM2's shape
-with random weights). `--dtype` defaults to float32 on the CPU and bfloat16 on CUDA.
+with random weights, and `--env reply_length`: a random model earns no arithmetic reward, so its
+groups would be uniform and nothing would train). `--dtype` defaults to float32 on the CPU and
+bfloat16 on CUDA.
 
 Parts (all on this machine, on `--device` in `--dtype`):
 - sampling: one mixed batch (4 adapters x 4 rows) through the worker's decoder vs one adapter x
@@ -45,7 +47,9 @@ from pathlib import Path
 import torch
 
 from tinker_pipelines.config import config_from_dict
+from tinker_pipelines.envs.base import Env
 from tinker_pipelines.experiment import Experiment, deterministic_metrics
+from tinker_pipelines.types import StepResult
 from tinker_pipelines.worker.client import start_worker
 
 N_EXP = 4
@@ -55,6 +59,20 @@ DEVICE = "cpu"
 """Where the workers and models run (`--device`)."""
 DTYPE = "float32"
 """The models' dtype (`--dtype`), in the experiments, the sampling part and the workers."""
+ENV = "arithmetic"
+"""The experiments' environment (`--env`): 'arithmetic' or 'reply_length' (`ReplyLengthEnv`)."""
+
+
+class ReplyLengthEnv(Env):
+    """One turn rewarded 1 / (1 + characters of the reply): a random-weight model's replies differ
+    in length, so every group's rewards differ and every experiment trains every iteration."""
+
+    def reset(self, seed: int | None = None):
+        self._seed = seed or 0
+        return [{"role": "user", "content": f"Say {self._seed % 10}."}]
+
+    def step(self, action: str) -> StepResult:
+        return StepResult([], 1.0 / (1 + len(action)), True, {})
 
 
 def default_dtype(device: str) -> str:
@@ -70,6 +88,8 @@ def experiment_config(model: str, seed: int, out: Path) -> dict:
     # Partial credit for a reply that contains the sum: rewards vary within groups from the start,
     # so every experiment trains every iteration (as RL experiments do) and the four stay in step.
     env = {"path": "arithmetic", "kwargs": {"max_operand": 9 if model != "tiny" else 3, "partial_credit": 1.0}}
+    if ENV == "reply_length":
+        env = {"path": "benchmarks.multi_lora:ReplyLengthEnv", "eval_kwargs": {}}
     return {"seed": seed, "output_dir": str(out / f"exp{seed}"), "model": {"name": model, "seed": 0, "device": DEVICE,
                                                                     "dtype": DTYPE},
             "env": env, "algorithm": {"name": "grpo"},
@@ -270,7 +290,7 @@ def aggregate_ceiling(rollout_s: float, train_s: float, sampling_gain: float, tr
 def separate_processes(model: str, out: Path) -> float:
     """Peak RSS (MB) summed over N_EXP in-process trainers run at the same time."""
     code = ("import resource,sys,json,torch; torch.set_num_threads(1)\n"
-            f"import benchmarks.multi_lora as b; b.DEVICE, b.DTYPE = {DEVICE!r}, {DTYPE!r}\n"
+            f"import benchmarks.multi_lora as b; b.DEVICE, b.DTYPE, b.ENV = {DEVICE!r}, {DTYPE!r}, {ENV!r}\n"
             "from tinker_pipelines.config import config_from_dict\n"
             "from tinker_pipelines.experiment import Experiment\n"
             "from benchmarks.multi_lora import experiment_config\n"
@@ -291,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sampling-reps", type=int, default=6,
                         help="interleaved timed calls per sampling mode (the fastest counts)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--env", choices=["arithmetic", "reply_length"], default="arithmetic",
+                        help="the experiments' environment (reply_length: rewards vary for a random-weight model)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="the models' dtype (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--max-train-rows", type=int, default=0,
@@ -303,8 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.trace:
         os.environ["TINKER_WORKER_TRACE"] = "1"
-    global DEVICE, DTYPE
-    DEVICE, DTYPE = args.device, args.dtype or default_dtype(args.device)
+    global DEVICE, DTYPE, ENV
+    DEVICE, DTYPE, ENV = args.device, args.dtype or default_dtype(args.device), args.env
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the workers
     out = Path(tempfile.mkdtemp(prefix="multi-lora-"))
@@ -389,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                       "window_ms": args.window_ms, "hold_ms": args.hold_ms,
                       "identical_exact_unbatched": exact,
                       "separate_processes_memory_ratio": round(separate_rss / solo_rss, 3),
-                      "model": args.model, "dtype": DTYPE, "device": DEVICE, "iterations": args.iterations,
+                      "model": args.model, "env": ENV, "dtype": DTYPE, "device": DEVICE, "iterations": args.iterations,
                       "load_avg_end": round(os.getloadavg()[0], 2)}))
     return 0
 

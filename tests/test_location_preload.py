@@ -90,7 +90,8 @@ def test_a_package_installed_with_pip_target_on_pythonpath_is_not_the_locations(
     script = textwrap.dedent("""
         import sys, thirdparty, mine
         from tinker_pipelines.scheduler import location_preload as lp
-        print(lp._location_module("thirdparty", thirdparty, "mine.defs"), lp._location_module("mine", mine, "mine.defs"))
+        print(lp._location_module("thirdparty", thirdparty, "mine.defs"),
+              lp._location_module("mine", mine, "mine.defs"))
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(own), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)

@@ -2,7 +2,12 @@
 
     python -m benchmarks.multi_lora [--model smollm2-135m-instruct] [--iterations 2]
 
-Parts (all on this machine, fp32 CPU unless the model's device says otherwise):
+`--model` is a catalog name or a model directory (scripts/gpu_check passes one of SmolLM2's shape
+with random weights, and `--env reply_length`: a random model earns no arithmetic reward, so its
+groups would be uniform and nothing would train). `--dtype` defaults to float32 on the CPU and
+bfloat16 on CUDA.
+
+Parts (all on this machine, on `--device` in `--dtype`):
 - sampling: one mixed batch (4 adapters x 4 rows) through the worker's decoder vs one adapter x
   16 rows (its merged-weight decode, what a single experiment gets) vs PEFT's `adapter_names`
   mixed batch through HF `generate` on the same batch; tokens/s of the fastest of
@@ -42,7 +47,9 @@ from pathlib import Path
 import torch
 
 from tinker_pipelines.config import config_from_dict
+from tinker_pipelines.envs.base import Env
 from tinker_pipelines.experiment import Experiment, deterministic_metrics
+from tinker_pipelines.types import StepResult
 from tinker_pipelines.worker.client import start_worker
 
 N_EXP = 4
@@ -50,14 +57,41 @@ N_EXP = 4
 
 DEVICE = "cpu"
 """Where the workers and models run (`--device`)."""
+DTYPE = "float32"
+"""The models' dtype (`--dtype`), in the experiments, the sampling part and the workers."""
+ENV = "arithmetic"
+"""The experiments' environment (`--env`): 'arithmetic' or 'reply_length' (`ReplyLengthEnv`)."""
+
+
+class ReplyLengthEnv(Env):
+    """One turn rewarded 1 / (1 + characters of the reply): a random-weight model's replies differ
+    in length, so every group's rewards differ and every experiment trains every iteration."""
+
+    def reset(self, seed: int | None = None):
+        self._seed = seed or 0
+        return [{"role": "user", "content": f"Say {self._seed % 10}."}]
+
+    def step(self, action: str) -> StepResult:
+        return StepResult([], 1.0 / (1 + len(action)), True, {})
+
+
+def default_dtype(device: str) -> str:
+    """`--dtype` when not given: fp32 on the CPU (bf16 matmuls are far slower there), bf16 on CUDA.
+
+    >>> default_dtype("cpu"), default_dtype("cuda:1")
+    ('float32', 'bfloat16')
+    """
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 def experiment_config(model: str, seed: int, out: Path) -> dict:
     # Partial credit for a reply that contains the sum: rewards vary within groups from the start,
     # so every experiment trains every iteration (as RL experiments do) and the four stay in step.
     env = {"path": "arithmetic", "kwargs": {"max_operand": 9 if model != "tiny" else 3, "partial_credit": 1.0}}
+    if ENV == "reply_length":
+        env = {"path": "benchmarks.multi_lora:ReplyLengthEnv", "eval_kwargs": {}}
     return {"seed": seed, "output_dir": str(out / f"exp{seed}"), "model": {"name": model, "seed": 0, "device": DEVICE,
-                                                                    "dtype": "float32"},
+                                                                    "dtype": DTYPE},
             "env": env, "algorithm": {"name": "grpo"},
             "training": {"mode": "lora", "iterations": 10, "learning_rate": 2e-3, "groups_per_batch": 4, "group_size": 4,
                          "max_new_tokens": 16, "micro_batch_size": 16},
@@ -137,7 +171,7 @@ def sampling_part(model_name: str, rows: int = 16, tokens: int = 32, reps: int =
     from tinker_pipelines.models import encode_chat, load_model
     from tinker_pipelines.rollout.sampler import Sampler, SampleRequest
 
-    model, tok = load_model(model_name, device=DEVICE)
+    model, tok = load_model(model_name, device=DEVICE, dtype=DTYPE)
     peft = None
     names = [f"exp{i}" for i in range(N_EXP)]
     for n in names:
@@ -256,7 +290,7 @@ def aggregate_ceiling(rollout_s: float, train_s: float, sampling_gain: float, tr
 def separate_processes(model: str, out: Path) -> float:
     """Peak RSS (MB) summed over N_EXP in-process trainers run at the same time."""
     code = ("import resource,sys,json,torch; torch.set_num_threads(1)\n"
-            f"import benchmarks.multi_lora as b; b.DEVICE = {DEVICE!r}\n"
+            f"import benchmarks.multi_lora as b; b.DEVICE, b.DTYPE, b.ENV = {DEVICE!r}, {DTYPE!r}, {ENV!r}\n"
             "from tinker_pipelines.config import config_from_dict\n"
             "from tinker_pipelines.experiment import Experiment\n"
             "from benchmarks.multi_lora import experiment_config\n"
@@ -276,7 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sampling-reps", type=int, default=6,
                         help="interleaved timed calls per sampling mode (the fastest counts)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (fp32 either way)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--env", choices=["arithmetic", "reply_length"], default="arithmetic",
+                        help="the experiments' environment (reply_length: rewards vary for a random-weight model)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="the models' dtype (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--max-train-rows", type=int, default=0,
                         help="the batching workers' --max-train-rows (0: experiments never share a training pass)")
     parser.add_argument("--window-ms", type=float, default=None,
@@ -287,13 +325,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.trace:
         os.environ["TINKER_WORKER_TRACE"] = "1"
-    global DEVICE
-    DEVICE = args.device
+    global DEVICE, DTYPE, ENV
+    DEVICE, DTYPE, ENV = args.device, args.dtype or default_dtype(args.device), args.env
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the workers
     out = Path(tempfile.mkdtemp(prefix="multi-lora-"))
     seeds = list(range(1, N_EXP + 1))
-    print(f"model {args.model}, {N_EXP} experiments, {args.iterations} iterations each; load avg {os.getloadavg()[0]:.2f}; "
+    print(f"model {args.model} ({DTYPE} on {DEVICE}), {N_EXP} experiments, {args.iterations} iterations each; "
+          f"load avg {os.getloadavg()[0]:.2f}; "
           f"worker logs in {out}")
 
     tps = sampling_part(args.model, reps=args.sampling_reps)
@@ -307,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             share += ["--hold-ms", str(args.hold_ms)]
         for kind, extra in (("solo", share), ("shared", share), ("unbatched", ["--no-batching"])):
             address = str(out / f"{kind}.sock")
-            workers[kind] = (address, start_worker(args.model, address, device=DEVICE, dtype="float32",
+            workers[kind] = (address, start_worker(args.model, address, device=DEVICE, dtype=DTYPE,
                                                    extra=["--threads", str(args.threads), *extra],
                                                    log=out / f"{kind}.log"))
         solo, solo_tokens, solo_wall = {}, 0.0, 0.0
@@ -372,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                       "window_ms": args.window_ms, "hold_ms": args.hold_ms,
                       "identical_exact_unbatched": exact,
                       "separate_processes_memory_ratio": round(separate_rss / solo_rss, 3),
-                      "model": args.model, "iterations": args.iterations,
+                      "model": args.model, "env": ENV, "dtype": DTYPE, "device": DEVICE, "iterations": args.iterations,
                       "load_avg_end": round(os.getloadavg()[0], 2)}))
     return 0
 

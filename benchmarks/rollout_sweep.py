@@ -12,7 +12,8 @@ agreement with it.
   torch's own kernels at that row count, without attention, sampling or Python. Its peak fraction bounds what any decoder built on those kernels reaches.
 - Greedy: the same prompts at temperature 0 through our sampler and `generate(do_sample=False)`
   with its raw logits: every row's tokens must be equal, and our reported logprobs (log_softmax
-  at temperature 1 of the chosen token) are compared with HF's.
+  at temperature 1 of the chosen token) are compared with HF's; where a row differs, HF's logit
+  margin at the first differing step says whether it was a near-tie.
 """
 
 from __future__ import annotations
@@ -128,7 +129,13 @@ def matmul_ceiling(model, batches: list[int], peak_gflops: float, repeats: int =
 
 
 def greedy_agreement(model, tokenizer, batch: int, max_new_tokens: int) -> dict:
-    """Our greedy decode vs `generate(do_sample=False)`: identical tokens, logprob differences."""
+    """Our greedy decode vs `generate(do_sample=False)` on the model's device and dtype.
+
+    `identical`: every row's tokens equal. `max_logprob_diff`: our reported logprobs against
+    HF's over each row's common prefix (the tokens before the rows first differ). For each row
+    that differs, `divergence_margins` holds HF's logit of its own token minus its logit of ours
+    at the first differing step: a margin within the dtype's rounding is a near-tie that both
+    decoders may break either way (random-weight models have many), a large one a real bug."""
     stops = stop_token_ids(tokenizer)
     prompts = prose_prompts(tokenizer, batch)
     ids, mask, L = left_padded(tokenizer, prompts, model.device)
@@ -137,17 +144,21 @@ def greedy_agreement(model, tokenizer, batch: int, max_new_tokens: int) -> dict:
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=stops, pad_token_id=tokenizer.pad_token_id, output_logits=True,
                              return_dict_in_generate=True)
-    logits_TBV = torch.stack(out.logits)  # raw logits of every generated position
-    identical, diff, compared = True, 0.0, 0
+    logits_TBV = torch.stack(out.logits).float().cpu()  # raw logits of every generated position
+    diff, compared, margins = 0.0, 0, []
     for b, s in enumerate(ours):
         hf_tokens = _until_stop(out.sequences[b, L:].tolist(), set(stops))
-        identical &= list(s.tokens) == hf_tokens
-        n = min(len(s.tokens), len(hf_tokens))
-        hf_lp = torch.log_softmax(logits_TBV[:n, b].float(), dim=-1).gather(
-            1, torch.tensor(hf_tokens[:n])[:, None]).squeeze(1)
+        mine = list(s.tokens)
+        n = next((j for j, (x, y) in enumerate(zip(mine, hf_tokens)) if x != y), min(len(mine), len(hf_tokens)))
+        if mine != hf_tokens and n < min(len(mine), len(hf_tokens)):
+            margins.append(float(logits_TBV[n, b, hf_tokens[n]] - logits_TBV[n, b, mine[n]]))
+        elif mine != hf_tokens:  # one stopped where the other went on
+            margins.append(float("inf"))
+        hf_lp = torch.log_softmax(logits_TBV[:n, b], dim=-1).gather(1, torch.tensor(hf_tokens[:n])[:, None]).squeeze(1)
         diff = max(diff, float((torch.tensor(s.logprobs[:n]) - hf_lp).abs().max()) if n else 0.0)
         compared += n
-    return {"identical": bool(identical), "max_logprob_diff": diff, "tokens": compared}
+    return {"identical": not margins, "max_logprob_diff": diff, "tokens": compared, "rows": len(ours),
+            "rows_differing": len(margins), "divergence_margins": [round(m, 5) for m in margins]}
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Path | None:

@@ -74,3 +74,26 @@ def test_a_location_that_fails_to_import_is_left_to_the_step(tmp_path):
     r = _run(tmp_path, "myloc.defs", script)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "['myloc'] False"  # the package imported; the step retries defs
+
+
+def test_a_package_installed_with_pip_target_on_pythonpath_is_not_the_locations(tmp_path):
+    """A bare image gets dagster by `pip install --target DIR` and PYTHONPATH=DIR: its modules
+    are installed packages, never forgotten in a step (a second copy of dagster would not know
+    the first one's config types)."""
+    site = tmp_path / "site"
+    (site / "thirdparty").mkdir(parents=True)
+    (site / "thirdparty" / "__init__.py").write_text("")
+    (site / "thirdparty-1.0.dist-info").mkdir()
+    own = tmp_path / "proj"
+    (own / "mine").mkdir(parents=True)
+    (own / "mine" / "__init__.py").write_text("")
+    script = textwrap.dedent("""
+        import sys, thirdparty, mine
+        from tinker_pipelines.scheduler import location_preload as lp
+        print(lp._location_module("thirdparty", thirdparty, "mine.defs"),
+              lp._location_module("mine", mine, "mine.defs"))
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(own), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["False", "True"]

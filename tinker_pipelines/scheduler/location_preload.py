@@ -28,7 +28,26 @@ _STARTED = ({k: v for k, v in os.environ.items() if k != LOCATION_ENV}, os.getcw
 _LOCATION: dict[str, str] | None = None
 _LOADED: list[str] = []
 """Modules the preload imported that belong to the location (not third-party, not the library core)."""
-_LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+def _install_dirs() -> tuple[str, ...]:
+    """Where installed packages live: the interpreter's own paths, the site directories, and any
+    `sys.path` entry holding a `*.dist-info` (packages installed elsewhere with `pip install
+    --target` and put on PYTHONPATH, as on a bare GPU image). Forgetting such a package's modules
+    in a step would import a second copy beside the one the rest of the process holds (dagster's
+    config types then no longer match each other)."""
+    import glob
+    import site
+
+    dirs = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    dirs.update(getattr(site, "getsitepackages", list)())
+    dirs.add(site.getusersitepackages() if hasattr(site, "getusersitepackages") else "")
+    dirs.update(p for p in sys.path
+                if p and os.path.isabs(p) and glob.glob(os.path.join(glob.escape(p), "*.dist-info")))
+    return tuple(os.path.join(d, "") for d in dirs if d)
+
+
+_LIBRARY_DIRS = _install_dirs()
 
 
 def _location_module(name: str, module: object, location: str) -> bool:

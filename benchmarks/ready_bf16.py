@@ -10,7 +10,6 @@ states the rule both follow). Imports nothing of dagster, mlflow or deepspeed.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 
 import torch
@@ -27,6 +26,12 @@ ADAPTERS = ("one", "two")
 GRAD_RTOL = 3e-2
 """Shared-pass gradients vs alone, relative to the gradient's norm (bf16 activations: a shared
 pass changes the base matmuls' shapes, so their bf16 roundings; 0 measured on CPU)."""
+AGREEMENT_MAX = {"cpu": 1e-2, "cuda": 5e-2}
+"""Per-token |sampler - learner| logprob in bf16, by device type: measured at most 3.9e-3 on CPU;
+CUDA's bf16 kernels (split-K reductions, other fused orders) round differently, and its bound is
+set wider, unmeasured until a GPU run reports it."""
+AGREEMENT_MEAN = {"cpu": 3e-3, "cuda": 1e-2}
+"""Its mean over tokens (measured at most 1.4e-3 on CPU)."""
 MIXED_ATOL = 2e-2
 """Off CPU: most |behaviour - learner| logprob of a mixed batch's rows under their own adapter."""
 
@@ -134,11 +139,17 @@ def measure(device: str = "cpu") -> dict:
     w = worker_check(bf16_engine(device))
     ok = (w["samples_match"] and w["grad_rel_err"] < GRAD_RTOL and w["shared_passes"] > 0
           and w["shared_pass_errors"] == 0 and w["mixed_batches"] > 0 and w["mixed_batch_errors"] == 0)
-    return {"device": device, "bf16_worker_ok": bool(ok), "bf16_agreement_max": inproc["agreement_max"],
+    kind = torch.device(device).type
+    agree = all(r["agreement_max"] < AGREEMENT_MAX[kind] and r["agreement_mean"] < AGREEMENT_MEAN[kind]
+                for r in (inproc, w))
+    return {"device": device, "bf16_worker_ok": bool(ok), "bf16_agreement_ok": agree,
+            "bf16_agreement_max": inproc["agreement_max"],
             "bf16_agreement_mean": inproc["agreement_mean"], "bf16_agreement_worker_max": w["agreement_max"],
             "bf16_agreement_worker_mean": w["agreement_mean"], "bf16_shared_grad_rel_err": w["grad_rel_err"],
             "bf16_mixed_samples_match": w["samples_match"]}
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure()))
+    from benchmarks import ready_main
+
+    ready_main(measure)

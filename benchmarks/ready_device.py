@@ -95,7 +95,7 @@ def measure(device: str = "cpu") -> dict:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory() as tmp:
         ledger = os.path.join(tmp, "ledger.sqlite")
-        out: dict = {"device": device, "needs_dagster": False}
+        out: dict = {"device": device}
         # composed: inherited 4,5 (simulated GPUs), device 0 taken, so the step leases the second
         sim = Inventory.from_gpus(visible_gpus(SIM_GPUS, "4,5"))
         blocker = Ledger(ledger).acquire(LeaseOwner.current(), StepNeeds(1, 0, "exclusive"), sim, timeout_s=5)
@@ -113,6 +113,8 @@ def measure(device: str = "cpu") -> dict:
             out["step_saw_cuda_uninitialized"] &= step.get("at_apply") == "uninitialized"
             out["step_gpu_matches_lease"] = leased is not None and step.get("gpu_uuid") == leased
         out["worker_lease_blocks_exclusive"] = _worker_blocks(tmp)
+    # the GPU image has no dagster: the lease path must not need it
+    out["ran_without_dagster"] = "dagster" not in sys.modules
     return out
 
 
@@ -120,4 +122,6 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import ready_device  # by name: the forked step must find `_record` there, not in __main__
 
-    print(json.dumps(ready_device.measure(sys.argv[1] if len(sys.argv) > 1 else "cpu")))
+    from benchmarks import ready_main
+
+    ready_main(ready_device.measure)

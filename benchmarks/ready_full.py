@@ -17,7 +17,6 @@ Imports neither dagster, mlflow nor deepspeed (it runs on bare GPU machines). Ru
 
 from __future__ import annotations
 
-import json
 import time
 
 import torch
@@ -92,4 +91,6 @@ def measure(device: str = "cpu") -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure()))
+    from benchmarks import ready_main
+
+    ready_main(measure)

@@ -186,4 +186,6 @@ def measure(device: str = "cpu") -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(*sys.argv[1:2])))
+    from benchmarks import ready_main
+
+    ready_main(measure)

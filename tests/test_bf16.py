@@ -9,6 +9,7 @@ from measured figures (CPU, tiny model): agreement max 3.9e-3 / mean 1.4e-3 in-p
 
 import torch
 
+from benchmarks import ready_bf16
 from benchmarks.ready_bf16 import (ADAPTERS, GRAD_RTOL, PROMPTS, bf16_engine, in_process_agreement,
                                    sample_request, worker_check)
 from tinker_pipelines.dtypes import rms_norm
@@ -16,10 +17,7 @@ from tinker_pipelines.learner import Learner, LearnerConfig
 from tinker_pipelines.lora_linear import lora_linear
 from tinker_pipelines.models import load_model
 
-AGREEMENT_MAX = 1e-2
-"""Per-token |sampler - learner| logprob, bf16 (measured at most 3.9e-3)."""
-AGREEMENT_MEAN = 3e-3
-"""Its mean over tokens (measured at most 1.4e-3)."""
+AGREEMENT_MAX, AGREEMENT_MEAN = ready_bf16.AGREEMENT_MAX["cpu"], ready_bf16.AGREEMENT_MEAN["cpu"]
 
 
 def test_worker_mixed_sampling_and_shared_training_in_bf16():

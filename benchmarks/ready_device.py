@@ -87,6 +87,15 @@ def _worker_blocks(tmp: str) -> bool:
         child.wait()
 
 
+def _config_check_leaves_cuda_alone() -> bool:
+    """Resolving `model.device`/`model.dtype` 'auto' (what validating a config does, e.g. in the
+    Dagster daemon) leaves CUDA uninitialised, in a fresh interpreter."""
+    code = ("import torch; from tinker_pipelines.models import resolve_device, resolve_dtype; "
+            "print(resolve_dtype('auto', resolve_device('auto')), torch.cuda.is_initialized())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return done.returncode == 0 and done.stdout.split()[-1:] == ["False"]
+
+
 def measure(device: str = "cpu") -> dict:
     use_cuda = device.startswith("cuda")
     # the forked step imports this module by name (the step server never runs a caller's __main__)
@@ -112,6 +121,7 @@ def measure(device: str = "cpu") -> dict:
             out["cuda_step"] = {**step, "leased_uuid": leased}
             out["step_saw_cuda_uninitialized"] &= step.get("at_apply") == "uninitialized"
             out["step_gpu_matches_lease"] = leased is not None and step.get("gpu_uuid") == leased
+            out["config_check_left_cuda_uninitialized"] = _config_check_leaves_cuda_alone()
         out["worker_lease_blocks_exclusive"] = _worker_blocks(tmp)
     # the GPU image has no dagster: the lease path must not need it
     out["ran_without_dagster"] = "dagster" not in sys.modules

@@ -62,6 +62,7 @@ def fake_pynvml(n_gpus: int = 4, fail: str = "") -> types.ModuleType:
     m.nvmlDeviceGetUUID = lambda h: UUIDS[h].encode()
     m.nvmlDeviceGetName = lambda h: b"NVIDIA H100 80GB HBM3"
     m.nvmlDeviceGetMemoryInfo = memory
+    m.nvmlDeviceGetCudaComputeCapability = lambda h: (7, 0) if h == 1 else (9, 0)  # GPU 1: a V100
     return m
 
 
@@ -223,3 +224,27 @@ def test_an_exclusive_step_is_never_placed_on_a_device_a_worker_holds(tmp_path, 
     # the worker's lease died with it: its device is whole again
     lease = Ledger(ledger_path).acquire(LeaseOwner.current(), StepNeeds(2, 0, "exclusive"), inventory, timeout_s=5)
     assert lease.devices == (0, 1)
+
+
+def test_validating_a_dtype_asks_nvml_not_cuda(monkeypatch):
+    """`model.dtype` auto/bfloat16 is resolved from NVML's compute capability while CUDA is not
+    initialised: a config validated in the daemon or a step before its lease starts no CUDA."""
+    import torch
+
+    from tinker_pipelines.config import ConfigError, config_from_dict
+    from tinker_pipelines.models import resolve_dtype
+
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(4))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")  # cuda:1 is NVML's GPU 1, the V100
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+    def would_start_cuda(*a, **k):
+        raise AssertionError("asked torch.cuda, which starts CUDA")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", would_start_cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_name", would_start_cuda)
+    assert resolve_dtype("auto", "cuda:0") == torch.bfloat16 and resolve_dtype("auto", "cuda:1") == torch.float32
+    with pytest.raises(ConfigError, match=r"model.dtype bfloat16 is not supported natively by cuda:1 "
+                                          r"\(NVIDIA H100 80GB HBM3, compute capability < 8.0\)"):
+        config_from_dict({"model": {"device": "cuda:1", "dtype": "bfloat16"}})
+    assert not torch.cuda.is_initialized()

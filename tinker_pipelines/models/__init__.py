@@ -104,13 +104,36 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device 
     if dt == torch.bfloat16:
         dev = resolve_device(device)
         if dev.type == "cuda":
-            check_dtype_on_device(dt, dev, _bf16_native(dev), torch.cuda.get_device_name(dev))
+            if not _bf16_native(dev):
+                check_dtype_on_device(dt, dev, False, _device_name(dev))
     return dt
 
 
 def _bf16_native(dev: torch.device) -> bool:
-    """Whether CUDA device `dev` computes in bf16 natively (Ampere and later; ROCm's gfx9+)."""
+    """Whether CUDA device `dev` computes in bf16 natively (Ampere and later; ROCm's gfx9+).
+
+    Asked of NVML while CUDA is not initialised: a config validated in a long-lived process (the
+    Dagster daemon, a sensor, a step before its lease) must not start CUDA there, which would
+    pin that process to GPU 0 and hold a context on it. torch answers once CUDA is up, or where
+    NVML cannot (no nvidia-ml-py, ROCm)."""
+    if not torch.cuda.is_initialized():
+        from tinker_pipelines.scheduler.inventory import visible_gpu
+
+        gpu = visible_gpu(dev.index if dev.index is not None else 0)
+        if gpu is not None and gpu.capability is not None:
+            return gpu.capability >= (8, 0)
     return torch.cuda.get_device_capability(dev) >= (8, 0)
+
+
+def _device_name(dev: torch.device) -> str:
+    """`dev`'s product name, from NVML while CUDA is not initialised (see `_bf16_native`)."""
+    if not torch.cuda.is_initialized():
+        from tinker_pipelines.scheduler.inventory import visible_gpu
+
+        gpu = visible_gpu(dev.index if dev.index is not None else 0)
+        if gpu is not None:
+            return gpu.name
+    return torch.cuda.get_device_name(dev)
 
 
 def check_dtype_on_device(dtype: torch.dtype, device: torch.device, bf16_native: bool, device_name: str = "") -> None:

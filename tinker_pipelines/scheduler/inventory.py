@@ -47,6 +47,8 @@ class Gpu:
     """Product name, e.g. 'NVIDIA H100 80GB HBM3'."""
     memory_bytes: int
     """Total memory."""
+    capability: tuple[int, int] | None = None
+    """CUDA compute capability (major, minor) as NVML reports it; None when unknown."""
 
 
 @dataclass(frozen=True)
@@ -255,8 +257,29 @@ def _nvml_gpu(pynvml: Any, handle: Any, index: int | None) -> Gpu:
     def text(v: Any) -> str:
         return v.decode() if isinstance(v, bytes) else str(v)
 
+    try:
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+        capability: tuple[int, int] | None = (int(major), int(minor))
+    except pynvml.NVMLError:
+        capability = None
     return Gpu(index, text(pynvml.nvmlDeviceGetUUID(handle)), text(pynvml.nvmlDeviceGetName(handle)),
-               int(pynvml.nvmlDeviceGetMemoryInfo(handle).total))
+               int(pynvml.nvmlDeviceGetMemoryInfo(handle).total), capability)
+
+
+def visible_gpu(ordinal: int, environ: Mapping[str, str] | None = None) -> Gpu | None:
+    """The GPU that CUDA ordinal `ordinal` names in a process with `environ`'s
+    CUDA_VISIBLE_DEVICES (default this process's), read through NVML without initialising CUDA;
+    None when NVML is not there (no driver, or nvidia-ml-py missing) or there is no such ordinal.
+    Raises InventoryError for a driver that fails."""
+    environ = os.environ if environ is None else environ
+    try:
+        gpus = _nvml_gpus(environ.get(VISIBLE_ENV))
+    except InventoryError as e:
+        if "nvidia-ml-py" in str(e):
+            return None
+        raise
+    visible = visible_gpus(gpus or [], environ.get(VISIBLE_ENV))
+    return visible[ordinal][0] if 0 <= ordinal < len(visible) else None
 
 
 def _nvml_message(e: Exception) -> str:

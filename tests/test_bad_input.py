@@ -52,13 +52,15 @@ def test_bad_config_names_the_field(patch, message):
 
 
 def test_bad_config_fails_before_any_model_loads(monkeypatch):
-    import tinker_pipelines.models as models
+    import tinker_pipelines.experiment as experiment
+    from tinker_pipelines.train import Experiment
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(models, "load_model", boom)
-    from tinker_pipelines.train import Experiment
+    # the name Experiment calls (patching tinker_pipelines.models would miss it, or leak into
+    # every later test when this import is the first)
+    monkeypatch.setattr(experiment, "load_model", boom)
 
     cfg = config_from_dict({})
     bad = cfg.__class__(**{**cfg.__dict__, "training": cfg.training.__class__(learning_rate=-1.0)})

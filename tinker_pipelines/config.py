@@ -18,6 +18,7 @@ import yaml
 from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.envs.base import EnvSpec
 from tinker_pipelines.models import check_model_name
+from tinker_pipelines.training.rules import check_learner_settings
 
 
 class ConfigError(ValueError):
@@ -65,14 +66,11 @@ class EnvConfig:
     def check(self) -> None:
         """Resolve the class and bind the training and the evaluation kwargs to its constructor,
         so that a mismatch fails before any model loads, naming the field."""
-        cls = self.spec().resolve()
         for name, spec in (("env.kwargs", self.spec()), ("env.eval_kwargs", self.spec(evaluation=True))):
             try:
-                inspect.signature(cls).bind(**spec.kwargs)
-            except TypeError as e:
-                raise ConfigError(f"{name} {spec.kwargs!r} do not fit the constructor of {self.path!r}: {e}") from None
-            except ValueError:  # no signature to check (a builtin): building it will tell
-                pass
+                spec.check_kwargs(name)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
 
 DEFAULT_EVAL_KWARGS: dict[str, Any] = {"split": "test"}
@@ -252,26 +250,21 @@ class Config:
     def validate(self) -> "Config":
         """Check everything that can be checked without loading a model."""
         t, a = self.training, self.algorithm
-        _require(t.mode in ("lora", "full"), "training.mode", "must be 'lora' or 'full'", t.mode)
-        for name in ("learning_rate",):
-            v = getattr(t, name)
-            _require(v > 0 and math.isfinite(v), f"training.{name}", "must be positive", v)
+        try:  # the learner's own rules (`training.rules`), checked before any model loads
+            check_learner_settings(mode=t.mode, learning_rate=t.learning_rate, lora_rank=t.lora_rank,
+                                   lora_alpha=t.lora_alpha, micro_batch_size=t.micro_batch_size,
+                                   temperature=t.temperature, top_k=t.top_k, top_p=t.top_p, min_p=t.min_p,
+                                   value_learning_rate=a.value_learning_rate)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         _require(self.output_dir.strip() != "", "output_dir", "must be a path (not empty)", self.output_dir)
         sft = self.sft
         _require(sft.learning_rate > 0 and math.isfinite(sft.learning_rate), "sft.learning_rate", "must be positive",
                  sft.learning_rate)
         for name in ("batch_size", "examples"):
             _require(getattr(sft, name) >= 1, f"sft.{name}", "must be >= 1", getattr(sft, name))
-        for name in ("iterations", "groups_per_batch", "group_size", "max_new_tokens", "max_turns", "lora_rank",
-                     "micro_batch_size"):
+        for name in ("iterations", "groups_per_batch", "group_size", "max_new_tokens", "max_turns"):
             _require(getattr(t, name) >= 1, f"training.{name}", "must be >= 1", getattr(t, name))
-        _require(t.temperature > 0 and math.isfinite(t.temperature), "training.temperature", "must be positive",
-                 t.temperature)
-        _require(t.lora_alpha > 0 and math.isfinite(t.lora_alpha), "training.lora_alpha", "must be positive",
-                 t.lora_alpha)
-        _require(0 <= t.top_k, "training.top_k", "must be >= 0 (0: off)", t.top_k)
-        _require(0 < t.top_p <= 1, "training.top_p", "must be in (0, 1] (1: off)", t.top_p)
-        _require(0 <= t.min_p < 1, "training.min_p", "must be in [0, 1) (0: off)", t.min_p)
         _require(all(isinstance(x, str) and x for x in t.stop), "training.stop", "must be non-empty strings", t.stop)
         ds = t.deepspeed
         _require(ds.stage in (0, 2, 3), "training.deepspeed.stage", "must be 0, 2 or 3", ds.stage)
@@ -300,7 +293,7 @@ class Config:
         _require(a.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0", a.kl_coef)
         for name in ("gamma", "gae_lambda"):
             _require(0 <= getattr(a, name) <= 1, f"algorithm.{name}", "must be in [0, 1]", getattr(a, name))
-        for name in ("vf_coef", "value_clip", "value_learning_rate"):
+        for name in ("vf_coef", "value_clip"):
             v = getattr(a, name)
             _require(v >= 0 and math.isfinite(v), f"algorithm.{name}", "must be >= 0", v)
         self.dpo.validate()

@@ -33,7 +33,8 @@ from tinker_pipelines.master_weights import MasterWeights, refuse_float16, relea
 from tinker_pipelines.padding import _Padded, loss_batch, pad_datums
 from tinker_pipelines.prefix_sharing import (PrefixPlan, plan_prefix_sharing, shared_prefix_forward,
                                              supports_prefix_sharing)
-from tinker_pipelines.rollout.truncation import check_params, target_logprobs
+from tinker_pipelines.rollout.truncation import target_logprobs
+from tinker_pipelines.training.rules import check_learner_settings
 from tinker_pipelines.training.gradient import Account, LossSpan, Pass, accumulate_gradients, micro_batches
 from tinker_pipelines.types import Datum
 
@@ -82,19 +83,10 @@ class LearnerConfig:
     far less activation memory, about one more forward of compute: `activation_checkpointing`)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("lora", "full"):
-            raise ValueError(f"training.mode must be 'lora' or 'full', got {self.mode!r}")
-        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
-            raise ValueError(f"training.learning_rate must be positive, got {self.learning_rate}")
-        if self.lora_rank < 1:
-            raise ValueError(f"training.lora_rank must be >= 1, got {self.lora_rank}")
-        if self.value_learning_rate < 0 or not math.isfinite(self.value_learning_rate):
-            raise ValueError(f"algorithm.value_learning_rate must be >= 0, got {self.value_learning_rate}")
-        if self.micro_batch_size < 1:
-            raise ValueError(f"training.micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.temperature <= 0:
-            raise ValueError(f"training.temperature must be positive for training, got {self.temperature}")
-        check_params(self.top_k, self.top_p, self.min_p, prefix="training.")
+        check_learner_settings(mode=self.mode, learning_rate=self.learning_rate, lora_rank=self.lora_rank,
+                               lora_alpha=self.lora_alpha, micro_batch_size=self.micro_batch_size,
+                               temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                               value_learning_rate=self.value_learning_rate)
 
 
 @contextlib.contextmanager

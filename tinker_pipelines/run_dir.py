@@ -18,6 +18,7 @@ from typing import Any
 
 from tinker_pipelines.checkpoint import CheckpointError, is_complete, read_record, remove_partial
 from tinker_pipelines.config import Config, config_to_dict
+from tinker_pipelines.tracking.mlflow_tracker import flat_fields
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -25,19 +26,9 @@ METRICS = "metrics.jsonl"
 RESUMABLE_CHANGES = ("training.iterations", "output_dir", "model.device")
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _flat_json(d: dict[str, Any]) -> dict[str, Any]:
     """Dotted names -> values as they read back from a record (tuples as lists)."""
-    return _flat(json.loads(json.dumps(d, default=str)))
+    return flat_fields(json.loads(json.dumps(d, default=str)))
 
 
 def config_differences(saved: dict[str, Any], cfg: Config) -> list[str]:

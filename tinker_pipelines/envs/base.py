@@ -73,17 +73,23 @@ class EnvSpec:
             raise ValueError(f"env.path {self.path!r} is not a subclass of tinker_pipelines.envs.Env")
         return cls
 
-    def build(self) -> Env:
-        """A fresh environment instance; `ValueError` when `kwargs` do not fit the constructor (or
-        the constructor refuses them with a `ValueError`), `EnvError` naming the env when the
-        constructor fails in any other way."""
+    def check_kwargs(self, field: str = "env.kwargs") -> type[Env]:
+        """Resolve the class and bind `kwargs` to its constructor without calling it; raise
+        `ValueError` naming `field` when they do not fit. Returns the class."""
         cls = self.resolve()
         try:
             inspect.signature(cls).bind(**self.kwargs)
         except TypeError as e:
-            raise ValueError(f"env.kwargs {self.kwargs!r} do not fit {self.path!r}: {e}") from None
-        except ValueError:  # no signature to check: calling it will tell
+            raise ValueError(f"{field} {self.kwargs!r} do not fit the constructor of {self.path!r}: {e}") from None
+        except ValueError:  # no signature to check (a builtin): calling it will tell
             pass
+        return cls
+
+    def build(self) -> Env:
+        """A fresh environment instance; `ValueError` when `kwargs` do not fit the constructor (or
+        the constructor refuses them with a `ValueError`), `EnvError` naming the env when the
+        constructor fails in any other way."""
+        cls = self.check_kwargs()
         try:
             return cls(**self.kwargs)
         except ValueError:  # how an env refuses its arguments; its message names them

@@ -46,9 +46,16 @@ def _on(value, test) -> bool:
 
 
 def check_params(top_k: int, top_p: float, min_p: float, prefix: str = "") -> None:
-    """Raise ValueError naming the parameter when one is out of range."""
+    """Raise ValueError naming the parameter (after `prefix`, e.g. 'training.') when one is out
+    of range: the one statement of these ranges, for configs, learners and sample requests.
+
+    >>> check_params(0, 1.5, 0.0, prefix="training.")
+    Traceback (most recent call last):
+    ...
+    ValueError: training.top_p must be in (0, 1] (1: off), got 1.5
+    """
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"{prefix}top_k must be an integer >= 0 (0: off), got {top_k!r}")
+        raise ValueError(f"{prefix}top_k must be >= 0 (an integer; 0: off), got {top_k!r}")
     if not (isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and 0 < top_p <= 1):
         raise ValueError(f"{prefix}top_p must be in (0, 1] (1: off), got {top_p!r}")
     if not (isinstance(min_p, (int, float)) and not isinstance(min_p, bool) and 0 <= min_p < 1):

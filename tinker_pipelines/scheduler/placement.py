@@ -34,6 +34,32 @@ SHARING = ("lora", "exclusive")
 EPS_GB = 1e-9
 
 
+def check_needs(devices: object, memory_gb: object, sharing: object, name, shown=None) -> None:
+    """The rules of a step's needs, for `StepNeeds` and its op tags alike: raise ValueError
+    naming the field as `name(field)` and showing its value as `shown(field)` (default: repr).
+
+    >>> check_needs(1, 0.0, "lora", lambda f: f"tag tinker/{f}")
+    Traceback (most recent call last):
+    ...
+    ValueError: tag tinker/memory_gb (> 0) is required when tag tinker/sharing is 'lora'
+    """
+    values = {"devices": devices, "memory_gb": memory_gb, "sharing": sharing}
+    shown = shown or (lambda f: repr(values[f]))
+
+    def fail(f: str, what: str) -> None:
+        raise ValueError(f"{name(f)} {what}, got {shown(f)}")
+
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        fail("devices", "must be a positive integer")
+    if isinstance(memory_gb, bool) or not isinstance(memory_gb, (int, float)) or not (
+            math.isfinite(memory_gb) and memory_gb >= 0):
+        fail("memory_gb", "must be a non-negative number")
+    if sharing not in SHARING:
+        fail("sharing", f"must be one of {', '.join(SHARING)}")
+    if sharing == "lora" and memory_gb <= 0:  # a sharing step that reserves nothing could be stacked without limit
+        raise ValueError(f"{name('memory_gb')} (> 0) is required when {name('sharing')} is 'lora'")
+
+
 @dataclass(frozen=True)
 class StepNeeds:
     """What one step asks of the devices."""
@@ -46,15 +72,7 @@ class StepNeeds:
     """'lora' (may share devices with other lora steps) or 'exclusive' (whole devices)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
-            raise ValueError(f"StepNeeds.devices must be a positive integer, got {self.devices!r}")
-        if not (isinstance(self.memory_gb, (int, float)) and math.isfinite(self.memory_gb) and self.memory_gb >= 0):
-            raise ValueError(f"StepNeeds.memory_gb must be a non-negative number, got {self.memory_gb!r}")
-        if self.sharing not in SHARING:
-            raise ValueError(f"StepNeeds.sharing must be one of {SHARING}, got {self.sharing!r}")
-        if self.sharing == "lora" and self.memory_gb <= 0:
-            # A sharing step that reserves nothing could be stacked without limit.
-            raise ValueError("a 'lora' step must declare its memory_gb (> 0) per device")
+        check_needs(self.devices, self.memory_gb, self.sharing, lambda f: f"StepNeeds.{f}")
 
     def __str__(self) -> str:
         return f"{self.devices} x {self.memory_gb:g} GB {self.sharing}"
@@ -102,29 +120,21 @@ def needs_from_tags(tags: Mapping[str, str], prefix: str = TAG_PREFIX) -> StepNe
     for key in sorted(ours):
         if key not in known:
             raise ValueError(f"unknown scheduler tag {key!r} (known: {', '.join(sorted(known))})")
-    devices, memory, sharing = 1, 0.0, "exclusive"
-    if prefix + "devices" in ours:
-        raw = ours[prefix + "devices"]
+    raw = {k[len(prefix):]: v for k, v in ours.items()}
+    devices, memory = raw.get("devices", 1), raw.get("memory_gb", 0.0)
+    sharing = str(raw.get("sharing", "exclusive")).strip().lower()
+    if isinstance(devices, str):
+        devices = int(devices.strip()) if devices.strip().lstrip("-").isdigit() else None
+    if isinstance(memory, str):
         try:
-            devices = int(str(raw).strip())
+            memory = float(memory.strip())
         except ValueError:
-            devices = 0
-        if devices < 1:
-            raise ValueError(f"tag {prefix}devices must be a positive integer, got {raw!r}")
-    if prefix + "memory_gb" in ours:
-        raw = ours[prefix + "memory_gb"]
-        try:
-            memory = float(str(raw).strip())
-        except ValueError:
-            memory = math.nan
-        if not math.isfinite(memory) or memory < 0:
-            raise ValueError(f"tag {prefix}memory_gb must be a non-negative number, got {raw!r}")
-    if prefix + "sharing" in ours:
-        sharing = str(ours[prefix + "sharing"]).strip().lower()
-        if sharing not in SHARING:
-            raise ValueError(f"tag {prefix}sharing must be one of {', '.join(SHARING)}, got {ours[prefix + 'sharing']!r}")
-    if sharing == "lora" and memory <= 0:
-        raise ValueError(f"tag {prefix}memory_gb (> 0) is required when {prefix}sharing is 'lora'")
+            memory = None
+
+    def shown(f: str) -> str:  # the tag as written
+        return repr(raw[f]) if f in raw else "unset"
+
+    check_needs(devices, memory, sharing, lambda f: f"tag {prefix}{f}", shown)
     return StepNeeds(devices, memory, sharing)
 
 

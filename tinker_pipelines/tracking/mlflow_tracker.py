@@ -70,15 +70,24 @@ def registered_model_name(experiment: str) -> str:
     return f"tinker-{experiment}"
 
 
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """Nested config -> MLflow params (`training.learning_rate`: '0.0001')."""
-    out: dict[str, str] = {}
+def flat_fields(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> dotted names, values as they are (an empty dict stays a value).
+
+    >>> flat_fields({"a": {"b": 1, "c": {"d": "x"}}, "e": {}})
+    {'a.b': 1, 'a.c.d': 'x', 'e': {}}
+    """
+    out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict) and v:
-            out.update(flatten(v, f"{prefix}{k}."))
+            out.update(flat_fields(v, f"{prefix}{k}."))
         else:
-            out[f"{prefix}{k}"] = str(v)[:500]
+            out[f"{prefix}{k}"] = v
     return out
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested config -> MLflow params (`training.learning_rate`: '0.0001'; MLflow caps a value at 500 characters)."""
+    return {k: str(v)[:500] for k, v in flat_fields(d, prefix).items()}
 
 
 _TUNED_SQLITE: set[str] = set()

@@ -90,7 +90,7 @@ class PolicyEngine(dg.ConfigurableResource):
         seed = cfg.seed if m.seed is None else m.seed
         model = str(base) if base is not None else m.name
         if not address:
-            from tinker_pipelines.cli import default_socket
+            from tinker_pipelines.worker import default_socket
             from tinker_pipelines.models import base_identity, resolve_device
 
             address = str(default_socket(base_identity(model, {} if base else m.kwargs, seed),

@@ -319,3 +319,22 @@ def test_worker_with_model_kwargs_its_builder_does_not_take(tmp_path, capsys):
                    capsys)
     assert rc == 2 and not (tmp_path / "w.sock").exists()  # refused before the model loads
     error_line(err, "error: --model-kwargs.hiden is not an argument of tiny (known: hidden_size, num_layers)")
+
+
+def test_warnings_are_one_line_and_library_noise_is_dropped(finished_run, tmp_path, envs_dir):
+    """A warning the user can act on (a half-written checkpoint skipped on resume) is one
+    `warning: ...` line; Python's `file:line: UserWarning` form and transformers' deprecation
+    noise on every training step are not shown."""
+    import shutil
+
+    out, ckpt, _ = reuse(finished_run, tmp_path)
+    damaged = out / "checkpoints" / "iter_00001"  # a newer checkpoint that fails verification
+    shutil.copytree(ckpt, damaged)
+    (damaged / "adapter_model.safetensors").write_bytes(b"damaged")
+    p = run_cli(["train", str(config(tmp_path, training={"iterations": 2})), "--resume"], envs_dir)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [part.strip() for line in p.stderr.splitlines() for part in line.split("\r")]  # tqdm redraws with \r
+    warned = [line for line in lines if line.startswith("warning:")]
+    assert len(warned) == 1 and warned[0].startswith(f"warning: skipping {damaged}"), p.stderr
+    for noise in ("UserWarning", "FutureWarning", "is_gradient_checkpointing", "warnings.warn"):
+        assert noise not in p.stderr, p.stderr

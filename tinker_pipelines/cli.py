@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from tinker_pipelines.cli_serving import cmd_export, cmd_serve
-from tinker_pipelines.cli_support import flags_named, parse_model_kwargs, one_line
+from tinker_pipelines.cli_support import flags_named, one_line, parse_model_kwargs, warnings_as_lines
+from tinker_pipelines.worker import default_socket
 
 # torch (which `tinker_pipelines.config` pulls in) loads only once a command runs: `serve` and
 # `worker` must set OMP_WAIT_POLICY before libgomp starts (see `main`).
@@ -129,14 +130,6 @@ def _train(args: argparse.Namespace, cfg, bars: list) -> None:
           overwrite=args.overwrite)
 
 
-def default_socket(model: str, device: str) -> Path:
-    """Where a worker for `model` on `device` listens unless told: under the project's `.tinker/`."""
-    import hashlib
-
-    slug = hashlib.sha256(f"{model}|{device}".encode()).hexdigest()[:12]
-    return Path(".tinker") / "workers" / f"{slug}.sock"
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
     import importlib
     import json
@@ -213,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     from tinker_pipelines.allocator import retain_freed_memory
 
     retain_freed_memory()  # workers, training and serving sample and train in this process
+    warnings_as_lines()
     parser = argparse.ArgumentParser(prog="tinker-pipelines", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="SFT warm start (if configured) then RL from one YAML config")

@@ -21,3 +21,13 @@ class WorkerError(RuntimeError):
 
 class WorkerDiedError(WorkerError):
     """The worker process went away during a call."""
+
+
+def default_socket(model: str, device: str) -> "Path":
+    """Where a worker for `model` on `device` listens unless told: under the project's `.tinker/`
+    (the command line and the Dagster resource that starts workers both look there)."""
+    import hashlib
+    from pathlib import Path
+
+    slug = hashlib.sha256(f"{model}|{device}".encode()).hexdigest()[:12]
+    return Path(".tinker") / "workers" / f"{slug}.sock"

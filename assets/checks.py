@@ -12,7 +12,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from tinker_pipelines.train import Experiment
+from tinker_pipelines.loops.train import Experiment
 
 REWARDS_FINITE = "rewards_finite"
 KL_WITHIN_BOUND = "kl_within_bound"

@@ -21,13 +21,13 @@ from resources import ArtifactStoreResource, MLflowResource
 from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.bases import base_tags
 from tinker_pipelines.config import Config
-from tinker_pipelines.dpo import pair_metrics, preference_pairs as sample_pairs, run_dpo
-from tinker_pipelines.preferences import summarize_pairs
+from tinker_pipelines.loops.dpo import pair_metrics, preference_pairs as sample_pairs, run_dpo
+from tinker_pipelines.loops.preferences import summarize_pairs
 from tinker_pipelines.schedule_rules import DEVICE_POOL, LORA_STEP_TAGS
 from tinker_pipelines.tracking import registered_model_name
 from tinker_pipelines.tracking.mlflow_tracker import CHECKS_TAG, checks_tags
 from tinker_pipelines.tracking.store import dumps, loads
-from tinker_pipelines.train import Experiment
+from tinker_pipelines.loops.train import Experiment
 
 GROUP = "dpo"
 

@@ -20,7 +20,7 @@ from tinker_pipelines.checkpoint import read_record
 from tinker_pipelines.config import config_from_dict
 from tinker_pipelines.schedule_rules import DEVICE_POOL, LOADS_MODEL_TAG, LORA_STEP_TAGS
 from tinker_pipelines.tracking.mlflow_tracker import promotion_refusal
-from tinker_pipelines.train import Experiment
+from tinker_pipelines.loops.train import Experiment
 
 CHAMPION = "champion"
 

@@ -2,7 +2,7 @@
 
 `inference_results` resolves `model` (`NAME@ALIAS`, `NAME/VERSION` or `NAME` for the latest) in
 the MLflow registry, rebuilds the policy from the version's checkpoint (on the SFT warm start its
-record names, from the registry), and runs `tinker_pipelines.inference.run_inference`: in-process,
+record names, from the registry), and runs `tinker_pipelines.loops.inference.run_inference`: in-process,
 or on the resident worker the `policy_engine` resource names. The per-episode records go to the
 artifact store as JSONL; the metadata carries the summary and the file's path.
 """
@@ -21,7 +21,7 @@ from assets.run_config import _config_class
 from resources import ArtifactStoreResource, MLflowResource, PolicyEngine
 from tinker_pipelines.checkpoint import read_record
 from tinker_pipelines.config import ConfigError, config_from_dict
-from tinker_pipelines.inference import InferenceConfig, experiment_from_checkpoint, parse_model_ref, run_inference
+from tinker_pipelines.loops.inference import InferenceConfig, experiment_from_checkpoint, parse_model_ref, run_inference
 from tinker_pipelines.schedule_rules import DEVICE_POOL, LORA_STEP_TAGS
 
 GROUP = "inference"
@@ -31,7 +31,7 @@ PREVIEW_ROWS = 5
 
 class InferenceRunConfig(_config_class(InferenceConfig)):  # type: ignore[misc]
     """A registered adapter version and the task set to generate for (fields documented as in
-    `tinker_pipelines.inference.InferenceConfig`)."""
+    `tinker_pipelines.loops.inference.InferenceConfig`)."""
 
     model: str = Field(description="The registered version: NAME@ALIAS (e.g. tinker-quickstart@champion), "
                                    "NAME/VERSION (a number) or NAME (the latest version).")

@@ -29,7 +29,7 @@ def run_iterations(instance: dg.DagsterInstance, experiment: str, config: dict[s
     the next iteration when a daemon runs against the same instance. `log_level` sets the console
     logger's level (the event log keeps every event either way); None leaves the run config
     without a `loggers` section, as the sensors' runs that copy it expect."""
-    from tinker_pipelines.definitions import rl_job
+    from assets.definitions import rl_job
 
     stop = stop if stop is not None else total_iterations(config)
     job = dg.reconstructable(rl_job)
@@ -57,7 +57,7 @@ def resume_iterations(instance: dg.DagsterInstance, experiment: str, config: dic
     machine): mark its unfinished runs failed, as run monitoring would, and free the pool slots
     they held; re-execute the newest failed run from failure (a new run whose parent is the
     failed one, so the UI shows both); then run the iterations that never started."""
-    from tinker_pipelines.definitions import rl_job
+    from assets.definitions import rl_job
 
     runs = instance.get_runs(dg.RunsFilter(job_name="rl", tags={EXPERIMENT_TAG: experiment}))
     for run in runs:
@@ -90,7 +90,7 @@ def _console(log_level: str | None) -> dict[str, Any]:
 def run_sft(instance: dg.DagsterInstance, experiment: str, config: dict[str, Any], log_level: str | None = None) -> bool:
     """Execute the `sft` job (the warm start) for `experiment`; True on success."""
     from assets.partitions import EXPERIMENTS, check_experiment
-    from tinker_pipelines.definitions import sft_job
+    from assets.definitions import sft_job
 
     check_experiment(experiment)
     ensure_partition(instance, EXPERIMENTS, experiment)

@@ -14,7 +14,7 @@ from resources import ArtifactStoreResource, MLflowResource
 from tinker_pipelines.bases import register_base, sft_model_name
 from tinker_pipelines.checkpoint import content_hash
 from tinker_pipelines.schedule_rules import DEVICE_POOL, EXCLUSIVE_STEP_TAGS
-from tinker_pipelines.train import Experiment
+from tinker_pipelines.loops.train import Experiment
 
 
 @dg.asset(partitions_def=EXPERIMENTS, group_name="sft", kinds={"pytorch", "mlflow"}, pool=DEVICE_POOL, op_tags=EXCLUSIVE_STEP_TAGS)

@@ -47,16 +47,16 @@ import torch
 
 from tinker_pipelines.algorithms import LossConfig, get_algorithm
 from tinker_pipelines.checkpoint import seed_everything
-from tinker_pipelines.datums import rl_datums, sft_datum
+from tinker_pipelines.loops.datums import rl_datums, sft_datum
 from tinker_pipelines.envs.tool_env import MultiplyEnv
 from tinker_pipelines.envs.two_agent import SCRIPTED_PLAYERS, RaceEnv, RaceGame
-from tinker_pipelines.learner import Learner, LearnerConfig
+from tinker_pipelines.training.learner import Learner, LearnerConfig
 from tinker_pipelines.models import encode_chat, load_model, stop_token_ids
-from tinker_pipelines.multiagent import MultiAgentConfig, MultiAgentTrainer
+from tinker_pipelines.loops.multiagent import MultiAgentConfig, MultiAgentTrainer
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes, run_groups
 from tinker_pipelines.rollout.sampler import Sampler
 from tinker_pipelines.envs import EnvSpec
-from tinker_pipelines.experiment import derived_seed
+from tinker_pipelines.loops.experiment import derived_seed
 
 @dataclass(frozen=True)
 class ToolsConfig:

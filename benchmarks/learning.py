@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.config import config_from_dict
-from tinker_pipelines.train import train
+from tinker_pipelines.loops.train import train
 
 TINY = {
     "model": {"name": "tiny"},

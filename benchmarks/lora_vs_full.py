@@ -3,7 +3,7 @@
     python -m benchmarks.lora_vs_full [--model smollm2-135m-instruct] [--batch 8] [--tokens 128] [--epochs 4]
 
 LoRA's reference is the base with the adapter disabled; full-parameter training keeps a frozen
-copy. LoRA runs twice: through our fused LoRA layers (`tinker_pipelines/lora_linear.py`, what the
+copy. LoRA runs twice: through our fused LoRA layers (`tinker_pipelines/training/lora_linear.py`, what the
 learner uses) and through PEFT's own layer forwards (`lora-peft`, what a PEFT user gets). Each
 mode runs in its own process (so peak memory is not shared) on the same datums: a GRPO loss
 with a k3 KL penalty, one forward/backward and one Adam step, timed after a warm-up step, and
@@ -43,9 +43,9 @@ def _one_mode(mode: str, model_name: str, batch: int, tokens: int, steps: int, m
               queue: mp.Queue) -> None:
     import torch
 
-    import tinker_pipelines.learner as learner_module
+    import tinker_pipelines.training.learner as learner_module
     from tinker_pipelines.algorithms import LossConfig, get_algorithm
-    from tinker_pipelines.learner import Learner, LearnerConfig
+    from tinker_pipelines.training.learner import Learner, LearnerConfig
 
     if mode == "lora-peft":  # this process only: the learner leaves PEFT's layers as they are
         learner_module.fuse_lora_layers = lambda model: 0
@@ -92,8 +92,8 @@ def passes(learner, datums, loss_fn, loss_cfg, epochs: int, scored: bool) -> flo
     """Seconds for a PPO-style update of `epochs` passes (one step each) over the batch; `scored`:
     the reference logprobs computed once first and carried by the datums (what `Experiment.score`
     does when there are several passes), else recomputed in every pass."""
-    from tinker_pipelines.datums import with_reference_logprobs
-    from tinker_pipelines.experiment import train_epochs
+    from tinker_pipelines.loops.datums import with_reference_logprobs
+    from tinker_pipelines.loops.experiment import train_epochs
 
     start = time.perf_counter()
     if scored:
@@ -106,7 +106,7 @@ def breakdown(learner, datums, micro: int, forward_backward_s: float, optimizer_
     """Where one step's time went: the KL reference's forward (no gradient), the policy's forward
     with the graph kept, the backward (the rest of `forward_backward`: the loss, autograd), and
     the optimizer step (clip + Adam). The two forwards are timed again on their own, after the step."""
-    from tinker_pipelines.learner import pad_datums
+    from tinker_pipelines.training.learner import pad_datums
 
     padded = [pad_datums(datums[i:i + micro], learner.pad_token_id, learner.device)
               for i in range(0, len(datums), micro)]

@@ -48,7 +48,7 @@ import torch
 
 from tinker_pipelines.config import config_from_dict
 from tinker_pipelines.envs.base import Env
-from tinker_pipelines.experiment import Experiment, deterministic_metrics
+from tinker_pipelines.loops.experiment import Experiment, deterministic_metrics
 from tinker_pipelines.types import StepResult
 from tinker_pipelines.worker.client import start_worker
 
@@ -230,7 +230,7 @@ def ceiling_part(model_name: str, out: Path, reps: int = 3) -> dict:
     import dataclasses
     import random
 
-    from tinker_pipelines.experiment import EVAL_SEED_OFFSET
+    from tinker_pipelines.loops.experiment import EVAL_SEED_OFFSET
     from tinker_pipelines.rollout.episodes import run_groups
 
     exp = Experiment(config_from_dict(experiment_config(model_name, 1, out / "ceiling")), name="ceiling")
@@ -292,7 +292,7 @@ def separate_processes(model: str, out: Path) -> float:
     code = ("import resource,sys,json,torch; torch.set_num_threads(1)\n"
             f"import benchmarks.multi_lora as b; b.DEVICE, b.DTYPE, b.ENV = {DEVICE!r}, {DTYPE!r}, {ENV!r}\n"
             "from tinker_pipelines.config import config_from_dict\n"
-            "from tinker_pipelines.experiment import Experiment\n"
+            "from tinker_pipelines.loops.experiment import Experiment\n"
             "from benchmarks.multi_lora import experiment_config\n"
             "from pathlib import Path\n"
             f"e = Experiment(config_from_dict(experiment_config({model!r}, int(sys.argv[1]), Path({str(out)!r}))))\n"

@@ -3,7 +3,7 @@
 Dagster side: the embedded default (sqlite instance, MLflow sqlite store) in a temporary folder;
 the `sft` job, then one `execute_job` run of `rl` per iteration in this process (the model stays
 resident), exactly as `assets.launch.run_iterations` does. Plain side:
-`tinker_pipelines.train.train(cfg)`, which does the same SFT inline. Same config and seed.
+`tinker_pipelines.loops.train.train(cfg)`, which does the same SFT inline. Same config and seed.
 Timed: the RL iterations only — for the plain loop from the end of its baseline evaluation
 (before iteration 0, which the Dagster side does not do) to its return; for Dagster, all the
 `rl` runs, including loading the SFT base model in the first one. The SFT warm start (identical
@@ -62,7 +62,7 @@ def bench_config(iterations: int, preset: str = "standard") -> dict:
 
 def run_plain(cfg_dict: dict, out: Path) -> tuple[float, float, list[dict], dict[str, list[float]]]:
     from tinker_pipelines.config import config_from_dict
-    from tinker_pipelines.train import deterministic_metrics, train
+    from tinker_pipelines.loops.train import deterministic_metrics, train
 
     cfg = config_from_dict({**cfg_dict, "output_dir": str(out)})
     marks: dict[str, float] = {}

@@ -85,7 +85,7 @@ def warm_start(out: str, seed: int) -> None:
     demonstrations), merged into the weights and saved to `out` (model and tokenizer)."""
     from benchmarks.agentic import TOOLS_PRESETS, sft, tool_sft_examples
     from tinker_pipelines.checkpoint import seed_everything
-    from tinker_pipelines.learner import Learner, LearnerConfig
+    from tinker_pipelines.training.learner import Learner, LearnerConfig
     from tinker_pipelines.models import load_model
 
     t = TOOLS_PRESETS["sft_short"]
@@ -132,7 +132,7 @@ def _train_mode(cfg_dict: dict, target: float, queue) -> None:
 
     torch.set_num_threads(1)
     from tinker_pipelines.config import config_from_dict
-    from tinker_pipelines.experiment import Experiment
+    from tinker_pipelines.loops.experiment import Experiment
 
     cfg = config_from_dict(cfg_dict)
     exp = Experiment(cfg)
@@ -223,8 +223,8 @@ def run_curves() -> dict:
 
     from assets.launch import run_iterations, run_sft
     from tinker_pipelines.config import config_from_dict
-    from tinker_pipelines.definitions import defs
-    from tinker_pipelines.train import deterministic_metrics, train
+    from assets.definitions import defs
+    from tinker_pipelines.loops.train import deterministic_metrics, train
     from tinker_pipelines.worker.client import start_worker
 
     try:

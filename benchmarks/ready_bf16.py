@@ -4,7 +4,7 @@ bf16 tiny model, and the sampler's behaviour logprobs agree with the learner's.
 `measure(device)` returns `bf16_worker_ok` (a worker with two adapters sampled a mixed batch and
 trained a shared pass in bf16, with no failed shared pass or sample batch, and each adapter's
 samples and gradients matched those it gets alone) and the per-token logprob differences
-between the sampler and `compute_logprobs`, in-process and on the worker (`tinker_pipelines.dtypes`
+between the sampler and `compute_logprobs`, in-process and on the worker (`tinker_pipelines.training.dtypes`
 states the rule both follow). Imports nothing of dagster, mlflow or deepspeed.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 import torch
 
-from tinker_pipelines.learner import Learner, LearnerConfig
+from tinker_pipelines.training.learner import Learner, LearnerConfig
 from tinker_pipelines.models import load_model, stop_token_ids
 from tinker_pipelines.rollout.sampler import Sampler
 from tinker_pipelines.types import Datum

@@ -41,7 +41,7 @@ def train(dtype: torch.dtype, device: str, steps: int = STEPS, lr: float = LR):
     """(learner, initial fp32 weights by name, datums) after `steps` SFT steps from tiny seed 0 in `dtype`.
     Both dtypes start from the same values: the fp32 run starts from the bf16-rounded weights."""
     from tinker_pipelines.algorithms import get_algorithm
-    from tinker_pipelines.learner import Learner, LearnerConfig
+    from tinker_pipelines.training.learner import Learner, LearnerConfig
     from tinker_pipelines.models import load_model
 
     model, tok = load_model("tiny", seed=0, dtype=torch.bfloat16, device=device)

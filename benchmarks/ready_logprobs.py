@@ -72,7 +72,8 @@ def micro_batch(vocab_size: int = VOCAB, rows: int = ROWS, seq: int = SEQ, promp
 @contextlib.contextmanager
 def unchunked_logprobs():
     """Run the block with the learner's logprobs computed the old way (unchunked, fp32)."""
-    from tinker_pipelines import learner, prefix_sharing
+    from tinker_pipelines.training import learner
+    from tinker_pipelines.training import prefix_sharing
     from tinker_pipelines.rollout import truncation
 
     saved = learner.target_logprobs, prefix_sharing.target_logprobs
@@ -84,7 +85,7 @@ def unchunked_logprobs():
 
 
 def _learner(model):
-    from tinker_pipelines.learner import Learner, LearnerConfig
+    from tinker_pipelines.training.learner import Learner, LearnerConfig
 
     return Learner(model, LearnerConfig(mode="lora", micro_batch_size=ROWS, temperature=0.9, share_prefix=False),
                    pad_token_id=0, init_seed=0)

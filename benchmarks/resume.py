@@ -54,9 +54,9 @@ DAGSTER = {**PPO, "training": {**PPO["training"], "iterations": 3}}
 def _install_probes(fd: int, dagster: bool) -> None:
     import torch
 
-    import tinker_pipelines.learner_checkpoint as learner_checkpoint
-    from tinker_pipelines.learner import Learner
-    from tinker_pipelines.experiment import Experiment
+    import tinker_pipelines.training.learner_checkpoint as learner_checkpoint
+    from tinker_pipelines.training.learner import Learner
+    from tinker_pipelines.loops.experiment import Experiment
 
     def emit(moment: str) -> None:
         os.write(fd, f"{moment}\n".encode())
@@ -112,7 +112,7 @@ def child(kind: str, cfg: dict[str, Any], out: str, resume: bool, fd: int) -> in
     _install_probes(fd, dagster=kind == "dagster")
     if kind == "plain":
         from tinker_pipelines.config import config_from_dict
-        from tinker_pipelines.train import train
+        from tinker_pipelines.loops.train import train
 
         train(config_from_dict({**cfg, "output_dir": out}), resume=resume,
               on_iteration=lambda m: os.write(fd, b"between_iterations\n") if m["iteration"] >= 0 else None)
@@ -234,7 +234,7 @@ def unloadable(ckpt_dirs: list[Path]) -> int:
 
 
 def _metrics_lines(out: Path) -> list[dict]:
-    from tinker_pipelines.train import deterministic_metrics
+    from tinker_pipelines.loops.train import deterministic_metrics
 
     return [deterministic_metrics(json.loads(line)) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

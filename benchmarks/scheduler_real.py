@@ -169,7 +169,7 @@ def real_part(runs: int, concurrency: int, gpu_memory_gb: float, timeout_s: floa
         workspace.write_text(f"load_from:\n  - grpc_server:\n      host: 127.0.0.1\n      port: {port}\n"
                              "      location_name: tinker\n")
         server_log = tmp / "grpc.log"
-        server = _start([str(BIN / "dagster"), "api", "grpc", "-m", "tinker_pipelines.definitions",
+        server = _start([str(BIN / "dagster"), "api", "grpc", "-m", "assets.definitions",
                          "-h", "127.0.0.1", "-p", str(port)], env, server_log)
         procs.append(server)
         _wait_for_server(port, server, server_log, timeout=300)

@@ -45,7 +45,7 @@ def register_versions(n: int, model: str = "tiny") -> None:
     import torch
 
     from tinker_pipelines.config import config_from_dict
-    from tinker_pipelines.experiment import Experiment
+    from tinker_pipelines.loops.experiment import Experiment
     from tinker_pipelines.serving.registry import registry_from_env
     from tinker_pipelines.tracking import registered_model_name
     from tinker_pipelines.tracking.mlflow_tracker import EXPERIMENT_TAG, checks_tags

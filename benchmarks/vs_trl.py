@@ -72,7 +72,7 @@ def bench_config(a: argparse.Namespace) -> dict:
 def iteration_tasks(cfg, iteration: int) -> list[tuple[list[dict], str]]:
     """(prompt messages, answer) of each task `Experiment.rollout(iteration)` draws."""
     from tinker_pipelines.envs.arithmetic import sample_problem
-    from tinker_pipelines.experiment import EVAL_SEED_OFFSET, derived_seed
+    from tinker_pipelines.loops.experiment import EVAL_SEED_OFFSET, derived_seed
 
     rng = random.Random(derived_seed(cfg.seed, "tasks", iteration))
     seeds = [rng.randrange(EVAL_SEED_OFFSET) for _ in range(cfg.training.groups_per_batch)]
@@ -104,7 +104,7 @@ def run_side_by_side(exp, model_dir: Path, cfg, iterations: int, out_dir: Path) 
     from trl import GRPOConfig, GRPOTrainer
 
     from tinker_pipelines.envs.arithmetic import score_reply
-    from tinker_pipelines.learner import LearnerConfig
+    from tinker_pipelines.training.learner import LearnerConfig
 
     t, partial = cfg.training, cfg.env.kwargs.get("partial_credit", 0.0)
     trl_rows: list[dict] = []
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from tinker_pipelines.config import config_from_dict
-    from tinker_pipelines.experiment import Experiment
+    from tinker_pipelines.loops.experiment import Experiment
 
     with tempfile.TemporaryDirectory(prefix="vs_trl_") as tmp:
         cfg = config_from_dict({**bench_config(a), "output_dir": str(Path(tmp) / "ours")})

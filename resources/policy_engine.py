@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import dagster as dg
 
 from tinker_pipelines.config import Config
-from tinker_pipelines.experiment import Experiment
+from tinker_pipelines.loops.experiment import Experiment
 from tinker_pipelines.scheduler.step_entry import STEP_PROCESS_ENV
 
 

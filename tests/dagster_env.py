@@ -1,6 +1,6 @@
 """Shared setup of the Dagster/MLflow tests: one temporary project home for the session.
 
-`tinker_pipelines.definitions` builds its resources from `TINKER_HOME` when imported, so this
+`assets.definitions` builds its resources from `TINKER_HOME` when imported, so this
 module sets it first; every test uses its own experiment name (the resident-model cache and the
 MLflow runs are keyed by it).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-if "tinker_pipelines.definitions" not in __import__("sys").modules:
+if "assets.definitions" not in __import__("sys").modules:
     os.environ["TINKER_HOME"] = tempfile.mkdtemp(prefix="tinker-test-home-")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -35,7 +35,7 @@ def tinker_home():
 
 
 def tracker():
-    from tinker_pipelines.definitions import defs
+    from assets.definitions import defs
 
     return defs.resources["mlflow"].tracker()
 

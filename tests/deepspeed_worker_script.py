@@ -22,11 +22,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tinker_pipelines.algorithms import LossConfig, get_algorithm
-from tinker_pipelines.datums import critic_datums, rl_datums, with_reference_logprobs
-from tinker_pipelines.deepspeed_learner import DeepSpeedLearner
+from tinker_pipelines.loops.datums import critic_datums, rl_datums, with_reference_logprobs
+from tinker_pipelines.training.deepspeed_learner import DeepSpeedLearner
 from tinker_pipelines.envs import EnvSpec
-from tinker_pipelines.learner import Learner, LearnerConfig
-from tinker_pipelines.master_weights import MASTER_FILE
+from tinker_pipelines.training.learner import Learner, LearnerConfig
+from tinker_pipelines.training.master_weights import MASTER_FILE
 from tinker_pipelines.models import load_model, stop_token_ids
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_groups
 from tinker_pipelines.rollout.sampler import Sampler

@@ -6,9 +6,9 @@ import pytest
 import torch
 from test_prefix_sharing import _grpo_and_value_loss, _learner, _micro_batch
 
-from tinker_pipelines.activation_checkpointing import checkpointed_layers, decoder_layers
+from tinker_pipelines.training.activation_checkpointing import checkpointed_layers, decoder_layers
 from tinker_pipelines.config import ConfigError, config_from_dict
-from tinker_pipelines.learner import pad_datums
+from tinker_pipelines.training.learner import pad_datums
 
 
 def _saved_bytes(fn) -> int:

@@ -8,7 +8,7 @@ import torch
 from benchmarks import agentic
 from tinker_pipelines.envs.two_agent import RaceGame
 from tinker_pipelines.models import encode_chat, load_model
-from tinker_pipelines.multiagent import MultiAgentConfig, MultiAgentTrainer
+from tinker_pipelines.loops.multiagent import MultiAgentConfig, MultiAgentTrainer
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The allocator setting every sampling/training process takes (`tinker_pipelines.allocator`)."""
+"""The allocator setting every sampling/training process takes (`tinker_pipelines.training.allocator`)."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-CODE = "from tinker_pipelines.allocator import retain_freed_memory as r; print(r(), r())"
+CODE = "from tinker_pipelines.training.allocator import retain_freed_memory as r; print(r(), r())"
 
 
 def _run(env_value: str | None) -> str:
@@ -28,7 +28,7 @@ def test_system_keeps_the_defaults():
 
 ARENAS = """
 import ctypes, threading
-from tinker_pipelines.allocator import retain_freed_memory
+from tinker_pipelines.training.allocator import retain_freed_memory
 retain_freed_memory()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

@@ -52,8 +52,8 @@ def test_bad_config_names_the_field(patch, message):
 
 
 def test_bad_config_fails_before_any_model_loads(monkeypatch):
-    import tinker_pipelines.experiment as experiment
-    from tinker_pipelines.train import Experiment
+    import tinker_pipelines.loops.experiment as experiment
+    from tinker_pipelines.loops.train import Experiment
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded")
@@ -212,7 +212,7 @@ def test_env_kwargs_that_the_constructor_does_not_take():
 
 
 def test_env_constructor_refusal_comes_before_any_model_loads(monkeypatch):
-    import tinker_pipelines.experiment as experiment
+    import tinker_pipelines.loops.experiment as experiment
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded")

@@ -12,9 +12,9 @@ import torch
 from benchmarks import ready_bf16
 from benchmarks.ready_bf16 import (ADAPTERS, GRAD_RTOL, PROMPTS, bf16_engine, in_process_agreement,
                                    sample_request, worker_check)
-from tinker_pipelines.dtypes import rms_norm
-from tinker_pipelines.learner import Learner, LearnerConfig
-from tinker_pipelines.lora_linear import lora_linear
+from tinker_pipelines.training.dtypes import rms_norm
+from tinker_pipelines.training.learner import Learner, LearnerConfig
+from tinker_pipelines.training.lora_linear import lora_linear
 from tinker_pipelines.models import load_model
 
 AGREEMENT_MAX, AGREEMENT_MEAN = ready_bf16.AGREEMENT_MAX["cpu"], ready_bf16.AGREEMENT_MEAN["cpu"]

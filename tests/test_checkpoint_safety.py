@@ -14,7 +14,7 @@ import pytest
 
 from tinker_pipelines.checkpoint import CheckpointError, file_manifest, read_record
 from tinker_pipelines.config import config_from_dict
-from tinker_pipelines.train import train
+from tinker_pipelines.loops.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -138,7 +138,7 @@ def test_env_crash_after_the_model_loads(tmp_path, envs_dir):
 @pytest.fixture
 def no_model(monkeypatch):
     """Config faults must be reported before any model loads."""
-    import tinker_pipelines.experiment as experiment
+    import tinker_pipelines.loops.experiment as experiment
     import tinker_pipelines.models as models
 
     def boom(*a, **k):
@@ -304,7 +304,7 @@ def test_disk_fills_while_a_checkpoint_is_written(finished_run, tmp_path, envs_d
 def test_naming_a_checkpoint_without_its_record(finished_run, tmp_path, envs_dir):
     from tinker_pipelines.checkpoint import CheckpointError
     from tinker_pipelines.config import load_config
-    from tinker_pipelines.train import Experiment
+    from tinker_pipelines.loops.train import Experiment
 
     out, ckpt, _ = reuse(finished_run, tmp_path)
     (ckpt / "record.json").unlink()

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from tinker_pipelines.algorithms import Algorithm, LossBatch, LossConfig, masked_mean, register_algorithm
 from tinker_pipelines.config import config_from_dict
-from tinker_pipelines.train import train
+from tinker_pipelines.loops.train import train
 
 CALLS: list[int] = []
 

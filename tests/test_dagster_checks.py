@@ -15,7 +15,7 @@ from assets.launch import run_iterations
 from tinker_pipelines.config import config_from_dict
 from tinker_pipelines.envs.arithmetic import ArithmeticEnv
 from tinker_pipelines.tracking import registered_model_name
-from tinker_pipelines.train import Experiment
+from tinker_pipelines.loops.train import Experiment
 from tinker_pipelines.types import StepResult, Trajectory, TrajectoryGroup, Turn
 
 

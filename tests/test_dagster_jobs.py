@@ -13,9 +13,9 @@ from assets.launch import rl_run_config, run_iterations, run_sft
 from resources.policy_engine import evict, resident
 from tinker_pipelines.bases import sft_model_name
 from tinker_pipelines.config import config_from_dict
-from tinker_pipelines.export import export_version
+from tinker_pipelines.serving.export import export_version
 from tinker_pipelines.tracking import registered_model_name
-from tinker_pipelines.train import deterministic_metrics, train
+from tinker_pipelines.loops.train import deterministic_metrics, train
 
 EXP = "jobs"
 

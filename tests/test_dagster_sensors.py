@@ -12,7 +12,7 @@ from dagster_env import NO_SFT, materializations, metadata, tracker
 
 from assets.launch import rl_run_config, run_iterations
 from assets.sensors import continue_training, new_adapter_versions, periodic_evaluation
-from tinker_pipelines.definitions import defs, evaluate_job
+from assets.definitions import defs, evaluate_job
 from tinker_pipelines.envs.arithmetic import ArithmeticEnv
 from tinker_pipelines.tracking import registered_model_name
 from tinker_pipelines.types import StepResult

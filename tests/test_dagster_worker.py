@@ -12,7 +12,7 @@ from dagster_env import tracker
 from assets.launch import run_iterations
 from resources.policy_engine import evict
 from tinker_pipelines.config import config_from_dict
-from tinker_pipelines.train import deterministic_metrics, train
+from tinker_pipelines.loops.train import deterministic_metrics, train
 from tinker_pipelines.worker.client import start_worker
 
 CFG = {"seed": 5, "model": {"name": "tiny", "seed": 0}, "env": {"path": "test_worker:ShortReplyEnv", "eval_kwargs": {}},

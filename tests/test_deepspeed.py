@@ -34,10 +34,10 @@ import torch
 import yaml
 
 from tinker_pipelines.config import ConfigError, config_from_dict
-from tinker_pipelines.deepspeed_learner import check_model_on_rank_device, deepspeed_config
-from tinker_pipelines.distributed import (accelerator_for, backend_for, check_rank_model_device, rank_device,
+from tinker_pipelines.training.deepspeed_learner import check_model_on_rank_device, deepspeed_config
+from tinker_pipelines.training.distributed import (accelerator_for, backend_for, check_rank_model_device, rank_device,
                                           set_rank_device)
-from tinker_pipelines.learner import LearnerConfig
+from tinker_pipelines.training.learner import LearnerConfig
 
 WORKER = Path(__file__).with_name("deepspeed_worker_script.py")
 METRICS_TOL = 1e-5

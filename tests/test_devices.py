@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tinker_pipelines.config import ConfigError, config_from_dict
-from tinker_pipelines.datums import trajectory_to_datum
+from tinker_pipelines.loops.datums import trajectory_to_datum
 from tinker_pipelines.envs import EnvSpec
-from tinker_pipelines.learner import Learner, LearnerConfig
+from tinker_pipelines.training.learner import Learner, LearnerConfig
 from tinker_pipelines.models import load_model, resolve_device, resolve_dtype, stop_token_ids
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_groups
 from tinker_pipelines.rollout.sampler import Sampler
@@ -68,7 +68,7 @@ def test_sampler_and_learner_agree_on_cuda(dtype, tol):
 
 @CUDA
 def test_train_and_resume_on_cuda(tmp_path):
-    from tinker_pipelines.train import deterministic_metrics, train
+    from tinker_pipelines.loops.train import deterministic_metrics, train
 
     cfg = {"seed": 1, "output_dir": str(tmp_path / "a"), "model": {"device": "cuda"},
            "env": {"path": "arithmetic", "kwargs": {"max_operand": 3, "partial_credit": 1.0}},
@@ -111,7 +111,7 @@ def test_fused_lora_layers_on_cuda(dtype, tol):
 
     from peft import LoraConfig, get_peft_model
 
-    from tinker_pipelines.lora_linear import fuse_lora_layers
+    from tinker_pipelines.training.lora_linear import fuse_lora_layers
 
     torch.manual_seed(0)
     model, _ = load_model("tiny")

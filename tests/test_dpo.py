@@ -17,11 +17,11 @@ from tinker_pipelines.algorithms.dpo import dpo_loss, dpo_sigmoid_loss
 from tinker_pipelines.algorithms.losses import LossBatch, LossConfig
 from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.config import ConfigError, config_from_dict
-from tinker_pipelines.dpo import pair_metrics, preference_pairs, run_dpo
-from tinker_pipelines.learner import Learner, pad_datums
-from tinker_pipelines.preferences import PreferencePair, pair_datums, pairs_from_groups
+from tinker_pipelines.loops.dpo import pair_metrics, preference_pairs, run_dpo
+from tinker_pipelines.training.learner import Learner, pad_datums
+from tinker_pipelines.loops.preferences import PreferencePair, pair_datums, pairs_from_groups
 from tinker_pipelines.tracking import registered_model_name
-from tinker_pipelines.train import Experiment, train
+from tinker_pipelines.loops.train import Experiment, train
 from tinker_pipelines.types import Trajectory, TrajectoryGroup, Turn
 
 DPO_SMALL = {
@@ -203,7 +203,7 @@ def test_odd_micro_batch_is_rounded_so_pairs_stay_whole(sft_start):
 def test_dpo_logprobs_are_the_models_own_at_any_sampling_temperature(tiny, mode):
     """Pairs are sampled at training.temperature, but DPO compares the policy's and the
     reference's likelihoods of them: log_softmax(logits), at temperature 1, for both."""
-    from tinker_pipelines.datums import sft_datum
+    from tinker_pipelines.loops.datums import sft_datum
 
     model, tok = tiny
     cfg = config_from_dict({**DPO_SMALL, "sft": {"steps": 0},
@@ -248,7 +248,7 @@ def test_dpo_logprobs_are_the_models_own_at_any_sampling_temperature(tiny, mode)
 @pytest.fixture(scope="module")
 def dpo_job_run():
     from assets.launch import run_sft
-    from tinker_pipelines.definitions import dpo_job
+    from assets.definitions import dpo_job
 
     with dg.instance_for_test() as instance:
         assert run_sft(instance, "dpo-job", DPO_SMALL)
@@ -275,7 +275,7 @@ def test_dpo_job_materializes_pairs_and_a_registered_evaluated_version(dpo_job_r
     assert [(e.dagster_event.event_specific_data.check_name, e.dagster_event.event_specific_data.passed)
             for e in events] == [("adapter_loads", True)]
     # the `evaluate` job loads the registered DPO version (SFT base + checkpoint) and scores it the same
-    from tinker_pipelines.definitions import evaluate_job
+    from assets.definitions import evaluate_job
 
     cfg = {"ops": {"evaluate_adapter": {"config": {"model_name": registered_model_name("dpo-job"),
                                                    "version": md["model_version"], "promote": False}}}}

@@ -50,7 +50,7 @@ def _cfg(tmp_path, env: dict) -> dict:
 
 
 def test_the_readme_echo_env_trains_and_evaluates(tmp_path, envs_module):
-    from tinker_pipelines.train import train
+    from tinker_pipelines.loops.train import train
 
     cfg = config_from_dict(_cfg(tmp_path, {"path": f"{envs_module}:Echo"}))
     assert cfg.env.spec(evaluation=True).kwargs == {}  # no split to pass: held out by seed

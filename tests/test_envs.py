@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinker_pipelines.datums import trajectory_to_datum
+from tinker_pipelines.loops.datums import trajectory_to_datum
 from tinker_pipelines.envs import BUILTIN_ENVS, Env, EnvCheckError, EnvSpec, check_env
 from tinker_pipelines.envs.tool_env import MultiplyEnv
 from tinker_pipelines.envs.tools import format_tool_call

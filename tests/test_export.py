@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tinker_pipelines.bases import BaseMissing, register_base, resolve_base, sft_model_name
 from tinker_pipelines.checkpoint import CheckpointError, read_record
 from tinker_pipelines.config import config_from_dict
-from tinker_pipelines.experiment import Experiment
-from tinker_pipelines.export import ExportError, export_checkpoint, export_version, vllm_format_problems
+from tinker_pipelines.loops.experiment import Experiment
+from tinker_pipelines.serving.export import ExportError, export_checkpoint, export_version, vllm_format_problems
 from tinker_pipelines.serving import ServingError
 from tinker_pipelines.serving.registry import Registry
 from tinker_pipelines.tracking import registered_model_name
@@ -149,7 +149,7 @@ def test_a_registered_adapter_finds_its_warm_start_after_the_sft_was_rerun(tmp_p
     """The issue's case: the experiment's SFT is re-run (the store's `<experiment>/sft` replaced);
     the adapter trained on the first warm start is exported and served on *that* one, fetched
     from the registry (`sft-<experiment>`) by the content hash in its record."""
-    from tinker_pipelines.definitions import defs
+    from assets.definitions import defs
 
     name, t = "export-rerun", tracker()
     store = defs.resources["artifact_store"].store()

@@ -15,8 +15,8 @@ import torch
 from benchmarks import ready_full
 from tinker_pipelines.algorithms import get_algorithm
 from tinker_pipelines.checkpoint import write_record
-from tinker_pipelines.learner import Learner, LearnerConfig
-from tinker_pipelines.master_weights import MASTER_FILE
+from tinker_pipelines.training.learner import Learner, LearnerConfig
+from tinker_pipelines.training.master_weights import MASTER_FILE
 from tinker_pipelines.models import load_model
 
 SFT = get_algorithm("sft").loss
@@ -86,7 +86,7 @@ def test_bf16_checkpoint_without_masters_is_rederived_and_logged(tmp_path, caplo
     (tmp_path / "ck" / MASTER_FILE).unlink()  # as a checkpoint written before masters were saved
     write_record(tmp_path / "ck", {k: v for k, v in record.items() if k not in ("content_hash", "files")})
     b = _bf16_learner()
-    with caplog.at_level(logging.WARNING, logger="tinker_pipelines.master_weights"):
+    with caplog.at_level(logging.WARNING, logger="tinker_pipelines.training.master_weights"):
         b.load_state(tmp_path / "ck")
     assert b.masters.rederived == len(b.masters.masters) and MASTER_FILE in caplog.text
     assert all(torch.equal(m, p.float()) for p, m in zip(b.masters.low, b.masters.masters))
@@ -123,7 +123,7 @@ def test_a_second_learner_on_the_same_base_owns_its_gradients():
 def test_experiment_sft_in_bf16_moves_the_base(tmp_path):
     """`Experiment.sft` trains every parameter through the learner: fp32 masters in bf16 too."""
     from tinker_pipelines.config import config_from_dict
-    from tinker_pipelines.experiment import Experiment
+    from tinker_pipelines.loops.experiment import Experiment
 
     cfg = config_from_dict({"output_dir": str(tmp_path), "model": {"dtype": "bfloat16", "device": "cpu"},
                             "sft": {"steps": 3, "batch_size": 4, "examples": 8, "learning_rate": 1e-6}})

@@ -175,7 +175,7 @@ def test_rl_job_on_the_gpu_executor_with_a_worker(tmp_path):
         (tmp_path / "rl.yaml").write_text(yaml.safe_dump(run_config))
         env = {**os.environ, "DAGSTER_HOME": str(home), "TINKER_HOME": str(tmp_path / "tinker"),
                "TINKER_EXECUTOR": "gpu", "TINKER_WORKER": str(address)}
-        r = subprocess.run([sys.executable, "-m", "dagster", "job", "execute", "-m", "tinker_pipelines.definitions",
+        r = subprocess.run([sys.executable, "-m", "dagster", "job", "execute", "-m", "assets.definitions",
                             "-j", "rl", "-c", str(tmp_path / "rl.yaml"), "--tags", '{"dagster/partition": "gx:0"}'],
                            env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]

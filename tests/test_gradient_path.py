@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from tinker_pipelines.algorithms import LossConfig, get_algorithm
-from tinker_pipelines.learner import Learner, LearnerConfig
-from tinker_pipelines.padding import pad_datums
+from tinker_pipelines.training.learner import Learner, LearnerConfig
+from tinker_pipelines.training.padding import pad_datums
 from tinker_pipelines.training import gradient
 from tinker_pipelines.types import Datum
 from tinker_pipelines.worker import batching
@@ -25,7 +25,7 @@ def test_learner_and_worker_run_the_one_path(tiny, monkeypatch):
         calls.append([len(p.spans) for p in passes])
         return real(iter(passes), *a, **k)
 
-    monkeypatch.setattr("tinker_pipelines.learner.accumulate_gradients", counted)
+    monkeypatch.setattr("tinker_pipelines.training.learner.accumulate_gradients", counted)
     monkeypatch.setattr(batching, "accumulate_gradients", counted)
     grpo = get_algorithm("grpo")
     solo = learner.forward_backward(DATUMS, grpo.loss)

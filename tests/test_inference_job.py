@@ -18,8 +18,8 @@ from dagster_env import SMALL, materializations, metadata, tracker
 
 from assets.launch import run_iterations, run_sft
 from tinker_pipelines.config import ConfigError
-from tinker_pipelines.definitions import defs, inference_job
-from tinker_pipelines.inference import InferenceConfig, experiment_from_checkpoint, parse_model_ref, run_inference
+from assets.definitions import defs, inference_job
+from tinker_pipelines.loops.inference import InferenceConfig, experiment_from_checkpoint, parse_model_ref, run_inference
 from tinker_pipelines.tracking import registered_model_name
 
 EXP = "infer"

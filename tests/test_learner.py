@@ -7,9 +7,9 @@ import torch
 from peft import PeftModel
 
 from tinker_pipelines.algorithms import LossConfig, get_algorithm
-from tinker_pipelines.datums import rl_datums, sft_datum
+from tinker_pipelines.loops.datums import rl_datums, sft_datum
 from tinker_pipelines.envs import EnvSpec
-from tinker_pipelines.learner import Learner, LearnerConfig
+from tinker_pipelines.training.learner import Learner, LearnerConfig
 from tinker_pipelines.models import stop_token_ids
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_groups
 from tinker_pipelines.rollout.sampler import Sampler
@@ -84,7 +84,7 @@ def test_env_tokens_carry_no_loss(tiny):
     multi = [t for g in groups for t in g.trajectories if len(t.turns) > 1]
     assert multi, "expected multi-turn episodes"
     traj = multi[0]
-    from tinker_pipelines.datums import trajectory_to_datum
+    from tinker_pipelines.loops.datums import trajectory_to_datum
 
     d = trajectory_to_datum(traj, 1.0)
     assert sum(d.weights) == traj.num_sampled_tokens
@@ -105,7 +105,7 @@ def test_lora_reference_is_the_adapter_disabled_base(tiny):
     datums = _informative_datums(learner.model, tok)
     learner.forward_backward(datums, GRPO.loss, LossConfig(kl_coef=0.1))
     learner.optim_step()
-    from tinker_pipelines.learner import pad_datums
+    from tinker_pipelines.training.learner import pad_datums
 
     padded = pad_datums(datums, tok.pad_token_id)
     ref = learner.reference_logprobs(padded)
@@ -201,7 +201,7 @@ def test_non_finite_loss_drops_the_gradient_already_accumulated(tiny):
     import pytest
     import torch
 
-    from tinker_pipelines.learner import Learner, LearnerConfig
+    from tinker_pipelines.training.learner import Learner, LearnerConfig
     from tinker_pipelines.types import Datum
 
     model, tok = tiny

@@ -181,7 +181,7 @@ def test_one_process_deepspeed_group_has_no_network_listener(tmp_path):
     """Outside torchrun the learner makes its own one-rank group; its store is a file, so the
     process listens on nothing (gloo's own pair sockets are bound to loopback)."""
     code = ("import json, os, socket, psutil\n"
-            "from tinker_pipelines.deepspeed_learner import init_process_group\n"
+            "from tinker_pipelines.training.deepspeed_learner import init_process_group\n"
             "import torch.distributed as dist\n"
             "init_process_group()\n"
             "assert dist.is_initialized() and dist.get_world_size() == 1\n"

@@ -1,4 +1,4 @@
-"""The fused LoRA linear (`tinker_pipelines/lora_linear.py`) is PEFT's LoRA layer, run in fewer passes."""
+"""The fused LoRA linear (`tinker_pipelines/training/lora_linear.py`) is PEFT's LoRA layer, run in fewer passes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import copy
 import torch
 from peft import LoraConfig, get_peft_model
 
-from tinker_pipelines.lora_linear import _LoraLinear, adapters_disabled, fuse_lora_layers, lora_linear
+from tinker_pipelines.training.lora_linear import _LoraLinear, adapters_disabled, fuse_lora_layers, lora_linear
 from tinker_pipelines.models import load_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -5,11 +5,11 @@ import random
 import pytest
 import torch
 
-from tinker_pipelines.datums import trajectory_to_datum
+from tinker_pipelines.loops.datums import trajectory_to_datum
 from tinker_pipelines.envs import EnvError
 from tinker_pipelines.envs.two_agent import SCRIPTED_PLAYERS, GameStep, RaceEnv, RaceGame, TwoAgentGame
 from tinker_pipelines.models import stop_token_ids
-from tinker_pipelines.multiagent import AgentPolicy, MultiAgentConfig, MultiAgentTrainer, run_games
+from tinker_pipelines.loops.multiagent import AgentPolicy, MultiAgentConfig, MultiAgentTrainer, run_games
 from tinker_pipelines.rollout.episodes import RolloutConfig
 from tinker_pipelines.rollout.sampler import Sample
 
@@ -149,8 +149,8 @@ def test_training_agent_a_leaves_agent_b_untouched(tiny):
     # each agent samples with its own adapter: logprobs of its samples match its learner
     games = trainer.rollout(5)
     for seat in "ab":
-        from tinker_pipelines.datums import rl_datums
-        from tinker_pipelines.multiagent import seat_groups
+        from tinker_pipelines.loops.datums import rl_datums
+        from tinker_pipelines.loops.multiagent import seat_groups
 
         datums = rl_datums(seat_groups(games, seat, cfg.group_size), "group_normalized", skip_uniform=False)
         recomputed = trainer.learners[seat].compute_logprobs(datums)

@@ -11,14 +11,14 @@ from peft import PeftModel
 from tinker_pipelines.algorithms import LossConfig, get_algorithm
 from tinker_pipelines.algorithms.gae import gae, gae_over_weighted
 from tinker_pipelines.config import ConfigError, config_from_dict
-from tinker_pipelines.datums import CriticDatum, critic_datums, trajectory_to_datum, with_reference_logprobs
+from tinker_pipelines.loops.datums import CriticDatum, critic_datums, trajectory_to_datum, with_reference_logprobs
 from tinker_pipelines.envs import EnvSpec
-from tinker_pipelines.learner import Learner, LearnerConfig
-from tinker_pipelines.learner_checkpoint import VALUE_HEAD_FILE
+from tinker_pipelines.training.learner import Learner, LearnerConfig
+from tinker_pipelines.training.learner_checkpoint import VALUE_HEAD_FILE
 from tinker_pipelines.models import stop_token_ids
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_groups
 from tinker_pipelines.rollout.sampler import Sampler
-from tinker_pipelines.train import Experiment, deterministic_metrics, train
+from tinker_pipelines.loops.train import Experiment, deterministic_metrics, train
 from tinker_pipelines.types import Trajectory, TrajectoryGroup
 
 PPO = get_algorithm("ppo")
@@ -246,7 +246,7 @@ def test_truncated_episode_bootstraps_from_its_value_a_terminated_one_from_zero(
 
 
 def _epochs_setup(tiny, lr=3e-2):
-    from tinker_pipelines.experiment import train_epochs  # noqa: F401  (the function under test)
+    from tinker_pipelines.loops.experiment import train_epochs  # noqa: F401  (the function under test)
 
     model, tok = tiny
     learner = _ppo_learner(model, tok, lr=lr)
@@ -255,14 +255,14 @@ def _epochs_setup(tiny, lr=3e-2):
 
 
 def _loss_batch_of(learner, datums):
-    from tinker_pipelines.learner import loss_batch, pad_datums
+    from tinker_pipelines.training.learner import loss_batch, pad_datums
 
     padded = pad_datums(datums, learner.pad_token_id)
     return padded, loss_batch(padded.fields, None, None)
 
 
 def test_second_epoch_clips_and_a_clipped_token_gets_no_gradient(tiny):
-    from tinker_pipelines.experiment import train_epochs
+    from tinker_pipelines.loops.experiment import train_epochs
 
     learner, datums = _epochs_setup(tiny)
     cfg = replace(LOSS_CFG, value_clip=0.01)
@@ -294,7 +294,7 @@ def test_second_epoch_clips_and_a_clipped_token_gets_no_gradient(tiny):
 
 
 def test_kl_early_stop_stops_the_epochs():
-    from tinker_pipelines.experiment import summarize_epochs, train_epochs
+    from tinker_pipelines.loops.experiment import summarize_epochs, train_epochs
 
     class FakeLearner:  # approx_kl grows with every optimizer step
         steps = 0
@@ -315,7 +315,7 @@ def test_kl_early_stop_stops_the_epochs():
 
 
 def test_minibatches_are_shuffled_per_epoch_from_the_seed():
-    from tinker_pipelines.experiment import train_epochs
+    from tinker_pipelines.loops.experiment import train_epochs
 
     class Recorder:
         def __init__(self):

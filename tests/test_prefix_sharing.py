@@ -6,13 +6,13 @@ import math
 import pytest
 import torch
 
-import tinker_pipelines.learner as learner_module
+import tinker_pipelines.training.learner as learner_module
 from tinker_pipelines.algorithms import LossConfig, get_algorithm
 from tinker_pipelines.algorithms.losses import LossBatch, masked_mean
 from tinker_pipelines.config import config_from_dict
-from tinker_pipelines.learner import Learner, LearnerConfig, pad_datums
-from tinker_pipelines.prefix_sharing import plan_prefix_sharing, shared_prefix_forward, supports_prefix_sharing
-from tinker_pipelines.train import deterministic_metrics, train
+from tinker_pipelines.training.learner import Learner, LearnerConfig, pad_datums
+from tinker_pipelines.training.prefix_sharing import plan_prefix_sharing, shared_prefix_forward, supports_prefix_sharing
+from tinker_pipelines.loops.train import deterministic_metrics, train
 from tinker_pipelines.types import Datum
 
 GRPO = get_algorithm("grpo")

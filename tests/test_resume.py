@@ -13,8 +13,8 @@ import pytest
 from benchmarks import resume as bench
 from tinker_pipelines.checkpoint import CheckpointError, atomic_directory, read_record, remove_partial
 from tinker_pipelines.config import config_from_dict
-from tinker_pipelines.run_dir import restore_metrics
-from tinker_pipelines.train import Experiment, deterministic_metrics, train
+from tinker_pipelines.loops.run_dir import restore_metrics
+from tinker_pipelines.loops.train import Experiment, deterministic_metrics, train
 
 CFG = {"seed": 2, "env": {"path": "arithmetic", "kwargs": {"max_operand": 3}},
        "algorithm": {"name": "grpo", "kl_coef": 0.05},
@@ -148,7 +148,7 @@ def test_fresh_run_refuses_an_old_output_dir_and_overwrite_starts_over(done, tmp
 
 
 def test_overwrite_deletes_nothing_when_the_config_cannot_build_its_model(done, tmp_path, monkeypatch):
-    import tinker_pipelines.experiment as experiment_module
+    import tinker_pipelines.loops.experiment as experiment_module
 
     out = _copy(done, tmp_path, keep=2)
     before = sorted(p.relative_to(out) for p in out.rglob("*"))

@@ -13,7 +13,7 @@ from resources.policy_engine import evict
 from tinker_pipelines.config import config_from_dict
 from tinker_pipelines.envs.arithmetic import ArithmeticEnv
 from tinker_pipelines.tracking import registered_model_name
-from tinker_pipelines.train import EVAL_SEED_OFFSET, deterministic_metrics, train
+from tinker_pipelines.loops.train import EVAL_SEED_OFFSET, deterministic_metrics, train
 from tinker_pipelines.types import StepResult
 
 
@@ -87,7 +87,7 @@ def test_reexecuted_runs_register_no_second_version_and_log_no_metric_twice():
         assert run_iterations(instance, "reexec", _config(), raise_on_error=False) == [False]
         (failed,) = instance.get_runs()
         assert [mv.version for mv in t.client.search_model_versions(f"name = '{name}'")] == [1]
-        from tinker_pipelines.definitions import rl_job
+        from assets.definitions import rl_job
 
         job = dg.reconstructable(rl_job)
         # the daemon's default strategy: from failure (only eval_report runs again)
@@ -110,7 +110,7 @@ def test_reexecuted_runs_register_no_second_version_and_log_no_metric_twice():
 def test_fresh_instance_retries_crashed_rl_runs_only(tmp_path):
     from dagster._daemon.auto_run_reexecution.auto_run_reexecution import should_retry
 
-    from tinker_pipelines.definitions import defs
+    from assets.definitions import defs
     from tinker_pipelines.tracking import TinkerHome
 
     home = TinkerHome(tmp_path / "home").ensure(devices=1)

@@ -18,7 +18,7 @@ def test_readme_run_config_validates_against_its_job(job_name, path):
     import dagster as dg
 
     from tinker_pipelines.config import config_from_dict
-    from tinker_pipelines.definitions import defs
+    from assets.definitions import defs
 
     run_config = yaml.safe_load((CONFIGS / path).read_text())
     job = defs.resolve_job_def(job_name)

@@ -155,7 +155,7 @@ def test_burst_of_runs_is_queued_and_never_exceeds_the_limits(tmp_path):
     started = time.monotonic()
     try:
         server_log = tmp_path / "grpc.log"
-        procs.append(_start([str(BIN / "dagster"), "api", "grpc", "-m", "tinker_pipelines.definitions",
+        procs.append(_start([str(BIN / "dagster"), "api", "grpc", "-m", "assets.definitions",
                              "-h", "127.0.0.1", "-p", str(port)], env, server_log))
         _wait_for_server(port, procs[0], server_log, timeout=180)
         with dg.DagsterInstance.from_config(str(home.dagster_home)) as instance:

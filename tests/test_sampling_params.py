@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tinker_pipelines.config import ConfigError, config_from_dict
-from tinker_pipelines.learner import Learner, LearnerConfig, pad_datums
+from tinker_pipelines.training.learner import Learner, LearnerConfig, pad_datums
 from tinker_pipelines.models import stop_token_ids
 from tinker_pipelines.rollout.sampler import Sampler, SampleRequest, completion_text, sample_tokens
 from tinker_pipelines.rollout.truncation import keep_mask, target_logprobs
@@ -319,7 +319,7 @@ def test_config_errors_name_the_field(field, value, message):
 
 
 def test_config_values_reach_the_sampler_and_learner():
-    from tinker_pipelines.experiment import Experiment
+    from tinker_pipelines.loops.experiment import Experiment
 
     cfg = config_from_dict({"training": {"top_k": 7, "top_p": 0.9, "min_p": 0.01, "stop": ["\n\n"]}})
     exp = Experiment(cfg)
@@ -390,7 +390,7 @@ def test_top_n_renormalization_has_the_masked_softmax_gradient():
 
 
 def test_episode_datums_carry_the_kept_set_sizes(tiny):
-    from tinker_pipelines.datums import trajectory_to_datum
+    from tinker_pipelines.loops.datums import trajectory_to_datum
     from tinker_pipelines.envs import Env
     from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes
     from tinker_pipelines.tracking.codec import decode, encode

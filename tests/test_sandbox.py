@@ -1,4 +1,4 @@
-"""Tests for tinker_pipelines.sandbox: normal runs, limits, and escape attempts.
+"""Tests for tinker_pipelines.envs.sandbox: normal runs, limits, and escape attempts.
 
 Every run goes through ``run()``, which also checks that the run's whole process
 group (and, with a private uid, every process of that uid) is gone within 1.5x
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tinker_pipelines.sandbox import LAYERS, SandboxResult, SandboxUnavailable, missing_layers, run_python
+from tinker_pipelines.envs.sandbox import LAYERS, SandboxResult, SandboxUnavailable, missing_layers, run_python
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -377,7 +377,7 @@ def run_without(caps: tuple[int, ...], code: str, **kwargs: object) -> dict:
     """run_python(code, **kwargs) in a child without ``caps``: its result or its refusal."""
     script = textwrap.dedent(f"""
         import dataclasses, json
-        from tinker_pipelines.sandbox import SandboxUnavailable, run_python
+        from tinker_pipelines.envs.sandbox import SandboxUnavailable, run_python
         try:
             r = run_python({code!r}, **{kwargs!r})
             print(json.dumps({{"result": dataclasses.asdict(r)}}))

@@ -24,8 +24,8 @@ import torch
 from dagster_env import NO_SFT, tracker
 
 from tinker_pipelines.config import config_from_dict
-from tinker_pipelines.experiment import Experiment
-from tinker_pipelines.inference import experiment_from_checkpoint
+from tinker_pipelines.loops.experiment import Experiment
+from tinker_pipelines.loops.inference import experiment_from_checkpoint
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes
 from tinker_pipelines.serving.client import EndpointSampler, evaluate_endpoint
 from tinker_pipelines.serving.launch import ServerThread, build_server, serving_env
@@ -40,7 +40,7 @@ Q = [{"role": "user", "content": "What is 2 + 3?"}]
 
 
 def _store():
-    from tinker_pipelines.definitions import defs
+    from assets.definitions import defs
 
     return defs.resources["artifact_store"].store()
 
@@ -384,7 +384,7 @@ def test_an_engine_that_decoded_its_bare_base_decodes_its_first_adapter():
     sampler's cached decoder must not keep serving the bare base."""
     from dataclasses import asdict
 
-    from tinker_pipelines.learner import LearnerConfig
+    from tinker_pipelines.training.learner import LearnerConfig
     from tinker_pipelines.models import load_model, stop_token_ids
     from tinker_pipelines.rollout.sampler import BASE, Sampler, SampleRequest
     from tinker_pipelines.worker.engine import Engine
@@ -436,7 +436,7 @@ def test_cli_errors_are_one_line(instance, endpoint, capsys):
 
 @pytest.mark.slow  # a fresh process imports the ML stack: ~20 s idle, minutes on a loaded machine
 def test_serve_job_deploys_the_endpoint_on_loopback(instance):
-    from tinker_pipelines.definitions import serve_job
+    from assets.definitions import serve_job
 
     run_config = {"ops": {"serve_endpoint": {"config": {"models": [f"{MODEL}@champion"], "port": 0}}}}
     with dg.instance_for_test() as inst, \

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tinker_pipelines import sandbox
+from tinker_pipelines.envs import sandbox
 from tinker_pipelines.envs import EnvError, checked_step
 from tinker_pipelines.envs import tools as T
 from tinker_pipelines.envs.tool_env import MultiplyEnv
@@ -187,7 +187,7 @@ def test_python_tool_without_isolation_refuses_and_runs_nothing():
         import json
         from tinker_pipelines.envs.tool_env import MultiplyEnv
         from tinker_pipelines.envs.tools import BUILTIN_TOOLS, ToolCall, execute_tool_call
-        from tinker_pipelines.sandbox import SandboxUnavailable
+        from tinker_pipelines.envs.sandbox import SandboxUnavailable
         out = {{}}
         for what, attempt in (
                 ("build", lambda: MultiplyEnv(tools=("python",)).tools),

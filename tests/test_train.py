@@ -8,7 +8,7 @@ from dataclasses import replace
 import yaml
 
 from tinker_pipelines.config import config_from_dict
-from tinker_pipelines.train import Experiment, deterministic_metrics, train
+from tinker_pipelines.loops.train import Experiment, deterministic_metrics, train
 
 SMALL = {
     "seed": 3,

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinker_pipelines.deepspeed_learner import DeepSpeedLearner
-from tinker_pipelines.experiment import Experiment, train_epochs
-from tinker_pipelines.learner import Learner, LearnerConfig
+from tinker_pipelines.training.deepspeed_learner import DeepSpeedLearner
+from tinker_pipelines.loops.experiment import Experiment, train_epochs
+from tinker_pipelines.training.learner import Learner, LearnerConfig
 from tinker_pipelines.training.interface import LearnerSettings, TrainingClient
 from tinker_pipelines.worker.client import RemoteLearner, WorkerClient, start_worker
 
@@ -130,8 +130,8 @@ def test_a_remote_learner_conforms_without_placeholders(tmp_path):
 
 DS_PROBE = r"""
 import json, sys
-from tinker_pipelines.deepspeed_learner import DeepSpeedLearner
-from tinker_pipelines.learner import LearnerConfig
+from tinker_pipelines.training.deepspeed_learner import DeepSpeedLearner
+from tinker_pipelines.training.learner import LearnerConfig
 from tinker_pipelines.models import load_model
 from tinker_pipelines.training.interface import LearnerSettings, TrainingClient
 model, tok = load_model("tiny", seed=0)
@@ -176,6 +176,6 @@ def test_the_checkpoint_code_does_not_import_the_learner():
     """The circle learner <-> learner_checkpoint is gone, type-only imports included: the
     checkpoint code sees a learner through `training.interface.ResidentLearner`."""
     ckpt = _imports_anywhere(ROOT / "tinker_pipelines" / "learner_checkpoint.py")
-    assert "tinker_pipelines.learner" not in ckpt and "tinker_pipelines.training.interface" in ckpt
+    assert "tinker_pipelines.training.learner" not in ckpt and "tinker_pipelines.training.interface" in ckpt
     assert not {m for m in _imports_anywhere(ROOT / "tinker_pipelines" / "training" / "interface.py")
                 if m.startswith("tinker_pipelines.") and "learner" in m}

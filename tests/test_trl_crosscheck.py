@@ -19,7 +19,7 @@ from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
 from tinker_pipelines.algorithms import ALGORITHMS, LossBatch, LossConfig, get_algorithm, kl_penalty, masked_mean
 from tinker_pipelines.algorithms.advantages import group_centered, group_normalized
 from tinker_pipelines.envs.arithmetic import prompt_messages
-from tinker_pipelines.learner import Learner, LearnerConfig
+from tinker_pipelines.training.learner import Learner, LearnerConfig
 from tinker_pipelines.models import encode_chat
 from tinker_pipelines.types import Datum
 

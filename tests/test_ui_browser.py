@@ -167,7 +167,7 @@ def world(request, tmp_path_factory):
         with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
             assert run_sft(instance, EXP, CONFIG)
             assert run_iterations(instance, EXP, CONFIG) == [True, True]
-            from tinker_pipelines.definitions import evaluate_job
+            from assets.definitions import evaluate_job
 
             cfg = {"ops": {"evaluate_adapter": {"config": {"model_name": MODEL, "version": "latest", "promote": True}}}}
             with dg.execute_job(dg.reconstructable(evaluate_job), instance, run_config=cfg) as res:

@@ -14,8 +14,8 @@ import torch
 from tinker_pipelines.config import config_from_dict
 from tinker_pipelines.envs import Env
 from tinker_pipelines.types import StepResult
-from tinker_pipelines.learner import LearnerConfig
-from tinker_pipelines.train import Experiment, deterministic_metrics, train
+from tinker_pipelines.training.learner import LearnerConfig
+from tinker_pipelines.loops.train import Experiment, deterministic_metrics, train
 from tinker_pipelines.worker import PROTOCOL_VERSION, WorkerDiedError, WorkerError
 from tinker_pipelines.worker.client import RemoteLearner, WorkerClient, start_worker
 from tinker_pipelines.worker.server import key_path

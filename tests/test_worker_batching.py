@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tinker_pipelines.algorithms import LossConfig, get_algorithm
-from tinker_pipelines.datums import rl_datums, with_reference_logprobs
+from tinker_pipelines.loops.datums import rl_datums, with_reference_logprobs
 from tinker_pipelines.envs import EnvSpec
-from tinker_pipelines.learner import Learner, LearnerConfig
+from tinker_pipelines.training.learner import Learner, LearnerConfig
 from tinker_pipelines.models import load_model, stop_token_ids
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_groups
 from tinker_pipelines.rollout.sampler import Sampler

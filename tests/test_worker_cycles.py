@@ -7,7 +7,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from tinker_pipelines.learner import LearnerConfig
+from tinker_pipelines.training.learner import LearnerConfig
 from tinker_pipelines.models import load_model, stop_token_ids
 from tinker_pipelines.worker.client import WorkerClient
 from tinker_pipelines.worker.engine import Engine, EngineConfig

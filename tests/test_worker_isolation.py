@@ -13,7 +13,7 @@ from multiprocessing.connection import Client
 import pytest
 import torch
 
-from tinker_pipelines.learner import LearnerConfig
+from tinker_pipelines.training.learner import LearnerConfig
 from tinker_pipelines.models import load_model, stop_token_ids
 from tinker_pipelines.rollout.sampler import SampleRequest
 from tinker_pipelines.serving import ServingError

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from test_worker import _cfg, worker  # noqa: F401 (the worker fixture)
-from tinker_pipelines.train import Experiment, deterministic_metrics
+from tinker_pipelines.loops.train import Experiment, deterministic_metrics
 from tinker_pipelines.worker import WorkerError
 from tinker_pipelines.worker.client import NEVER_SAVED, WorkerClient
 

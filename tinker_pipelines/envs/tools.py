@@ -25,7 +25,7 @@ parse, an unknown tool, missing or ill-typed arguments, or a tool that raises al
 model can see and learn from its mistake.
 
 Built in: `calculator` (exact arithmetic from a parsed syntax tree; never `eval`) and `python`
-(runs code through `tinker_pipelines.sandbox.run_python`, only with every isolation layer of the
+(runs code through `tinker_pipelines.envs.sandbox.run_python`, only with every isolation layer of the
 sandbox up; `TINKER_SANDBOX_TRUSTED=1` opts out, for trusted code only). A missing layer is the
 machine's fault, not the model's: it raises `SandboxUnavailable` from the tool's `preflight`
 (which `ToolEnv` runs when it is built) and from the call itself, and is never shown to the model.
@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Callable
 
-from tinker_pipelines import sandbox
-from tinker_pipelines.sandbox import SandboxUnavailable
+from tinker_pipelines.envs import sandbox
+from tinker_pipelines.envs.sandbox import SandboxUnavailable
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _TAG_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)

@@ -3,7 +3,7 @@
 A `TwoAgentGame` keeps the shared state; each seat has its own conversation. The seat to move
 replies with text; the game answers with messages for each seat (usually the opponent learns
 what was played) and, when the game ends, rewards for both seats that sum to zero.
-`tinker_pipelines.multiagent.run_games` drives two policies through such games; `VersusScripted`
+`tinker_pipelines.loops.multiagent.run_games` drives two policies through such games; `VersusScripted`
 turns one seat into an ordinary `Env`, so the usual episode runner, `check_env` and the training
 loop can play it against a scripted opponent (and measure win rates).
 

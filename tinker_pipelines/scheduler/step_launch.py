@@ -48,7 +48,7 @@ PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", 
            "dagster._core.instance.factory", "dagster._core.storage.sqlite_storage",
            "dagster._core.storage.local_compute_log_manager", "dagster._core.executor.step_delegating",
            "dagster._core.definitions.repository_definition.repository_data_builder", "dagster._daemon",
-           "tinker_pipelines.train", "tinker_pipelines.tracking", "tinker_pipelines.worker.client",
+           "tinker_pipelines.loops.train", "tinker_pipelines.tracking", "tinker_pipelines.worker.client",
            "tinker_pipelines.scheduler.migration_scripts", "tinker_pipelines.scheduler.preload_freeze")
 """Modules the forkserver imports once: third-party ones and the library core, which reads no
 environment at import. The code location is imported too (`location_preload`). Then the storages'

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from tinker_pipelines.learner import LearnerConfig
+from tinker_pipelines.training.learner import LearnerConfig
 from tinker_pipelines.rollout.sampler import BASE, Sample, SampleRequest
 from tinker_pipelines.serving.errors import ServingError
 from tinker_pipelines.serving.registry import Version

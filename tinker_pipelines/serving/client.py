@@ -79,7 +79,7 @@ def evaluate_endpoint(base_url: str, model: str, num_tasks: int | None = None) -
     """`Experiment.evaluate` of the served version `model` (greedy, held-out tasks), played over
     HTTP: the env and rollout settings come from the version's config (its `/v1/models` card)."""
     from tinker_pipelines.config import config_from_dict
-    from tinker_pipelines.experiment import EVAL_SEED_OFFSET, summarize_groups
+    from tinker_pipelines.loops.experiment import EVAL_SEED_OFFSET, summarize_groups
     from tinker_pipelines.models import load_tokenizer
     from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes
     from tinker_pipelines.types import TrajectoryGroup

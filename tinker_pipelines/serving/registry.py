@@ -18,7 +18,7 @@ from typing import Any
 from tinker_pipelines.bases import BaseMissing, resolve_base
 from tinker_pipelines.checkpoint import CheckpointError, read_record
 from tinker_pipelines.config import Config, ConfigError, config_from_dict
-from tinker_pipelines.inference import parse_model_ref
+from tinker_pipelines.loops.inference import parse_model_ref
 from tinker_pipelines.serving.errors import ServingError, model_not_found
 from tinker_pipelines.tracking.mlflow_tracker import EXPERIMENT_TAG
 

@@ -31,7 +31,7 @@ from typing import Callable, Iterable, Protocol
 import torch
 
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn, loss_normalization, micro_batch_share
-from tinker_pipelines.padding import _Padded, loss_batch
+from tinker_pipelines.training.padding import _Padded, loss_batch
 from tinker_pipelines.types import Datum
 
 Backward = Callable[[torch.Tensor], object]

@@ -22,11 +22,11 @@ from typing import Iterator
 import torch
 
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn
-from tinker_pipelines.dtypes import adapter_input, add_lora
-from tinker_pipelines.learner import Learner
-from tinker_pipelines.lora_linear import adapters_disabled, lora_linear
-from tinker_pipelines.padding import _Padded, pad_datums
-from tinker_pipelines.prefix_sharing import PrefixPlan, plan_prefix_sharing, supports_prefix_sharing
+from tinker_pipelines.training.dtypes import adapter_input, add_lora
+from tinker_pipelines.training.learner import Learner
+from tinker_pipelines.training.lora_linear import adapters_disabled, lora_linear
+from tinker_pipelines.training.padding import _Padded, pad_datums
+from tinker_pipelines.training.prefix_sharing import PrefixPlan, plan_prefix_sharing, supports_prefix_sharing
 from tinker_pipelines.training.gradient import LossSpan, Pass, accumulate_gradients, micro_batches
 from tinker_pipelines.types import Datum
 
@@ -46,7 +46,7 @@ def row_adapters(model: torch.nn.Module, layouts: dict[int, Segments]) -> Iterat
     `adapters_disabled(model)` so the layers themselves add nothing otherwise. `layouts` maps a
     batch size to its segments: a shared-prefix forward runs its prefix rows and its
     continuation rows as two batches of different sizes. Adapters whose dtype is not the base's
-    compute as PEFT does (`tinker_pipelines.dtypes`)."""
+    compute as PEFT does (`tinker_pipelines.training.dtypes`)."""
 
     def forward(module: torch.nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         segments = layouts.get(x.shape[0])

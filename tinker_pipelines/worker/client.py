@@ -21,7 +21,7 @@ import torch
 
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn
 from tinker_pipelines.algorithms.registry import ALGORITHMS
-from tinker_pipelines.learner import LearnerConfig
+from tinker_pipelines.training.learner import LearnerConfig
 from tinker_pipelines.rollout.sampler import ContextOverflowError, Sample
 from tinker_pipelines.types import Datum
 from tinker_pipelines.worker import PROTOCOL_VERSION, WorkerDiedError, WorkerError

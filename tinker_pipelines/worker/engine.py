@@ -14,7 +14,7 @@ import torch
 
 from tinker_pipelines.algorithms.losses import LossConfig
 from tinker_pipelines.algorithms.registry import get_algorithm
-from tinker_pipelines.learner import Learner, LearnerConfig
+from tinker_pipelines.training.learner import Learner, LearnerConfig
 from tinker_pipelines.rollout.sampler import ContextOverflowError, Sample, Sampler, SampleRequest
 from tinker_pipelines.types import Datum
 from tinker_pipelines.worker.batching import FBJob, forward_backward_together

@@ -18,15 +18,15 @@ import torch
 from tinker_pipelines.algorithms.dpo import dpo_loss
 from tinker_pipelines.algorithms.losses import LossBatch, LossConfig
 from tinker_pipelines.config import Config
-from tinker_pipelines.datums import with_reference_logprobs
-from tinker_pipelines.learner import Learner, pad_datums
+from tinker_pipelines.loops.datums import with_reference_logprobs
+from tinker_pipelines.training.learner import Learner, pad_datums
 from tinker_pipelines.schedule_rules import eval_due
 from tinker_pipelines.types import Datum
-from tinker_pipelines.preferences import PreferencePair, generate_pairs, pair_datums, summarize_pairs
+from tinker_pipelines.loops.preferences import PreferencePair, generate_pairs, pair_datums, summarize_pairs
 from tinker_pipelines.tracking.store import dumps
-from tinker_pipelines import run_dir
-from tinker_pipelines.experiment import Experiment, derived_seed
-from tinker_pipelines.run_dir import append_metrics
+from tinker_pipelines.loops import run_dir
+from tinker_pipelines.loops.experiment import Experiment, derived_seed
+from tinker_pipelines.loops.run_dir import append_metrics
 
 OnMetrics = Callable[[dict[str, float]], None]
 

@@ -36,8 +36,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from tinker_pipelines import sandbox_supervisor
-from tinker_pipelines.sandbox_supervisor import _PROGRAM, _WORKDIR
+from tinker_pipelines.envs import sandbox_supervisor
+from tinker_pipelines.envs.sandbox_supervisor import _PROGRAM, _WORKDIR
 
 __all__ = ["LAYERS", "SandboxResult", "SandboxUnavailable", "missing_layers", "run_python"]
 

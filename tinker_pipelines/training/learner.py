@@ -25,13 +25,13 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel
 
-from tinker_pipelines import learner_checkpoint
-from tinker_pipelines.activation_checkpointing import checkpointed_layers
+from tinker_pipelines.training import learner_checkpoint
+from tinker_pipelines.training.activation_checkpointing import checkpointed_layers
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn
-from tinker_pipelines.lora_linear import adapters_disabled, fuse_lora_layers
-from tinker_pipelines.master_weights import MasterWeights, refuse_float16, release
-from tinker_pipelines.padding import _Padded, loss_batch, pad_datums
-from tinker_pipelines.prefix_sharing import (PrefixPlan, plan_prefix_sharing, shared_prefix_forward,
+from tinker_pipelines.training.lora_linear import adapters_disabled, fuse_lora_layers
+from tinker_pipelines.training.master_weights import MasterWeights, refuse_float16, release
+from tinker_pipelines.training.padding import _Padded, loss_batch, pad_datums
+from tinker_pipelines.training.prefix_sharing import (PrefixPlan, plan_prefix_sharing, shared_prefix_forward,
                                              supports_prefix_sharing)
 from tinker_pipelines.rollout.truncation import target_logprobs
 from tinker_pipelines.training.rules import check_learner_settings

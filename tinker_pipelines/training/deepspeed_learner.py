@@ -51,12 +51,12 @@ from transformers import PreTrainedModel
 
 from tinker_pipelines import checkpoint as ckpt
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn
-from tinker_pipelines.distributed import _deepspeed, init_process_group, is_main_process
-from tinker_pipelines.learner import Learner, LearnerConfig, ValueHead
-from tinker_pipelines.learner_checkpoint import VALUE_HEAD_FILE
-from tinker_pipelines.master_weights import FLOAT16_REFUSED, MASTER_FILE, release
-from tinker_pipelines.padding import _Padded, pad_datums
-from tinker_pipelines.prefix_sharing import plan_prefix_sharing, supports_prefix_sharing
+from tinker_pipelines.training.distributed import _deepspeed, init_process_group, is_main_process
+from tinker_pipelines.training.learner import Learner, LearnerConfig, ValueHead
+from tinker_pipelines.training.learner_checkpoint import VALUE_HEAD_FILE
+from tinker_pipelines.training.master_weights import FLOAT16_REFUSED, MASTER_FILE, release
+from tinker_pipelines.training.padding import _Padded, pad_datums
+from tinker_pipelines.training.prefix_sharing import plan_prefix_sharing, supports_prefix_sharing
 from tinker_pipelines.training.gradient import Account, LossSpan, Pass, accumulate_gradients
 from tinker_pipelines.types import Datum
 
@@ -106,7 +106,7 @@ def deepspeed_config(cfg: LearnerConfig, dtype: torch.dtype, stage: int, offload
     learner's `master_weights`) with gradients accumulated in fp32 as the plain learner does.
     float16 is refused (`master_weights.FLOAT16_REFUSED`: the experiment has no loss scaling).
 
-    >>> from tinker_pipelines.learner import LearnerConfig
+    >>> from tinker_pipelines.training.learner import LearnerConfig
     >>> c = deepspeed_config(LearnerConfig(mode="full"), torch.bfloat16, 2)
     >>> c["bf16"], c["data_types"], "bf16" in deepspeed_config(LearnerConfig(mode="full"), torch.float32, 2)
     ({'enabled': True}, {'grad_accum_dtype': 'fp32'}, False)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from tinker_pipelines.datums import trajectory_to_datum
+from tinker_pipelines.loops.datums import trajectory_to_datum
 from tinker_pipelines.envs.base import EnvSpec
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_groups
 from tinker_pipelines.rollout.sampler import Sampler

@@ -1,7 +1,7 @@
 """The plain-Python training loop: optional SFT warm start, then RL iterations, checkpointed
-so that a killed run resumes exactly (docs/resume.md). DPO configs go to `tinker_pipelines.dpo`.
+so that a killed run resumes exactly (docs/resume.md). DPO configs go to `tinker_pipelines.loops.dpo`.
 
-The stages live in `tinker_pipelines.experiment` (re-exported here for existing imports).
+The stages live in `tinker_pipelines.loops.experiment` (re-exported here for existing imports).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Callable
 
 from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.config import Config, ConfigError
-from tinker_pipelines.dpo import train_dpo
-from tinker_pipelines import run_dir
-from tinker_pipelines.experiment import (EVAL_SEED_OFFSET, Experiment, RolloutStats, deterministic_metrics,
+from tinker_pipelines.loops.dpo import train_dpo
+from tinker_pipelines.loops import run_dir
+from tinker_pipelines.loops.experiment import (EVAL_SEED_OFFSET, Experiment, RolloutStats, deterministic_metrics,
                                          derived_seed, summarize_groups)
-from tinker_pipelines.run_dir import append_metrics
+from tinker_pipelines.loops.run_dir import append_metrics
 
 if TYPE_CHECKING:
     from tinker_pipelines.worker.client import WorkerClient
@@ -46,7 +46,7 @@ def train(cfg: Config, on_iteration: Callable[[dict[str, float]], None] | None =
         return train_dpo(cfg, on_iteration, on_sft_step, resume, overwrite)
     out = Path(cfg.output_dir)
     ckpt_dir = out / "checkpoints"
-    from tinker_pipelines.distributed import is_main_process
+    from tinker_pipelines.training.distributed import is_main_process
 
     writer = is_main_process()  # under torchrun (training.deepspeed) every rank runs this loop; rank 0 writes files
     if resume:

@@ -1,6 +1,6 @@
 """The composition root: the one Dagster `Definitions` object of the project.
 
-Loaded by `workspace.yaml` (`dagster dev`) and by `dagster job execute -m tinker_pipelines.definitions`.
+Loaded by `workspace.yaml` (`dagster dev`) and by `dagster job execute -m assets.definitions`.
 The deployment (local embedded default or production) is chosen once, in `resources.build_resources`,
 from `TINKER_DEPLOYMENT`.
 """

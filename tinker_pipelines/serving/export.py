@@ -96,7 +96,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, base: str | Path 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tinker_pipelines.experiment import Experiment
+    from tinker_pipelines.loops.experiment import Experiment
     from tinker_pipelines.models import base_identity, load_model
 
     out = Path(out)

@@ -27,7 +27,7 @@ import torch
 from tinker_pipelines.checkpoint import read_record
 from tinker_pipelines.config import ConfigError, config_from_dict
 from tinker_pipelines.rollout.episodes import run_episodes
-from tinker_pipelines.experiment import EVAL_SEED_OFFSET, Experiment, derived_seed
+from tinker_pipelines.loops.experiment import EVAL_SEED_OFFSET, Experiment, derived_seed
 from tinker_pipelines.types import Trajectory
 
 SPLITS = ("eval", "train")

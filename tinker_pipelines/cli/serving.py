@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tinker_pipelines.cli_support import flags_named, parse_model_kwargs, one_line
+from tinker_pipelines.cli.support import flags_named, parse_model_kwargs, one_line
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -76,7 +76,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from tinker_pipelines.bases import BaseMissing
     from tinker_pipelines.checkpoint import CheckpointError
     from tinker_pipelines.config import ConfigError
-    from tinker_pipelines.export import ExportError, export_checkpoint, export_version
+    from tinker_pipelines.serving.export import ExportError, export_checkpoint, export_version
     from tinker_pipelines.serving import ServingError
 
     try:

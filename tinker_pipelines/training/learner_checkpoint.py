@@ -19,7 +19,7 @@ from peft import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from tinker_pipelines import checkpoint as ckpt
-from tinker_pipelines.master_weights import MASTER_FILE
+from tinker_pipelines.training.master_weights import MASTER_FILE
 
 if TYPE_CHECKING:  # the checkpoint sees a learner through this view, not `learner.Learner` (which imports it)
     from tinker_pipelines.training.interface import ResidentLearner

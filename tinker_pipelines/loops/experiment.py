@@ -1,7 +1,7 @@
 """An experiment's stages: the resident model, learner and sampler, and each stage of an
 iteration (`sft`, `rollout`, `score`, `train_step`, `evaluate`, `save`, `resume`).
 
-The plain loop (`tinker_pipelines.train`), DPO (`tinker_pipelines.dpo`), the Dagster assets and
+The plain loop (`tinker_pipelines.loops.train`), DPO (`tinker_pipelines.loops.dpo`), the Dagster assets and
 the worker clients all drive this one class, so they run the same code and get the same numbers;
 it imports none of them.
 """
@@ -20,12 +20,12 @@ import torch
 
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn
 from tinker_pipelines.algorithms.registry import get_algorithm
-from tinker_pipelines.allocator import retain_freed_memory
+from tinker_pipelines.training.allocator import retain_freed_memory
 from tinker_pipelines.bases import SFT_KIND, base_ref, check_same_base
 from tinker_pipelines.checkpoint import atomic_directory, read_record, seed_everything, write_record
 from tinker_pipelines.config import Config, ConfigError, config_to_dict
-from tinker_pipelines.datums import critic_datums, rl_datums, sft_datum, with_reference_logprobs
-from tinker_pipelines.learner import Learner, LearnerConfig
+from tinker_pipelines.loops.datums import critic_datums, rl_datums, sft_datum, with_reference_logprobs
+from tinker_pipelines.training.learner import Learner, LearnerConfig
 from tinker_pipelines.models import base_identity, load_model, load_tokenizer, stop_token_ids
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes, run_groups
 from tinker_pipelines.rollout.sampler import Sampler
@@ -93,7 +93,7 @@ class Experiment:
             tokenizer = tokenizer or load_tokenizer(str(base) if base is not None else m.name)
         elif model is None:
             if cfg.training.deepspeed.stage > 0:  # each rank on its own GPU before anything is loaded onto one
-                from tinker_pipelines.distributed import set_rank_device
+                from tinker_pipelines.training.distributed import set_rank_device
 
                 try:
                     set_rank_device(m.device)
@@ -215,7 +215,7 @@ class Experiment:
                                                         base_name=self.cfg.model.name, claim=claim)
             return self.learner
         if t.deepspeed.stage > 0:  # ZeRO data parallel over torchrun's ranks; deepspeed is imported only here
-            from tinker_pipelines.deepspeed_learner import DeepSpeedLearner
+            from tinker_pipelines.training.deepspeed_learner import DeepSpeedLearner
 
             if adapter_path is not None:
                 raise ConfigError("training.deepspeed trains every parameter: there is no adapter_path to load")

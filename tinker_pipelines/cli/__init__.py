@@ -10,8 +10,8 @@ import os
 import sys
 from pathlib import Path
 
-from tinker_pipelines.cli_serving import cmd_export, cmd_serve
-from tinker_pipelines.cli_support import flags_named, one_line, parse_model_kwargs, warnings_as_lines
+from tinker_pipelines.cli.serving import cmd_export, cmd_serve
+from tinker_pipelines.cli.support import flags_named, one_line, parse_model_kwargs, warnings_as_lines
 from tinker_pipelines.worker import default_socket
 
 # torch (which `tinker_pipelines.config` pulls in) loads only once a command runs: `serve` and
@@ -111,7 +111,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, cfg, bars: list) -> None:
     from tqdm import tqdm
 
-    from tinker_pipelines.train import train
+    from tinker_pipelines.loops.train import train
 
     sft_bar = tqdm(total=cfg.sft.steps, desc="sft", unit="step", disable=not cfg.sft.steps, file=sys.stderr)
     rl_bar = tqdm(total=cfg.training.iterations, desc="rl", unit="it", file=sys.stderr)
@@ -203,7 +203,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tinker_pipelines.allocator import retain_freed_memory
+    from tinker_pipelines.training.allocator import retain_freed_memory
 
     retain_freed_memory()  # workers, training and serving sample and train in this process
     warnings_as_lines()

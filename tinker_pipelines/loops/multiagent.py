@@ -32,10 +32,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tinker_pipelines.algorithms.losses import LossConfig
 from tinker_pipelines.algorithms.registry import get_algorithm
-from tinker_pipelines.datums import rl_datums
+from tinker_pipelines.loops.datums import rl_datums
 from tinker_pipelines.envs.base import Env, EnvError
 from tinker_pipelines.envs.two_agent import SCRIPTED_PLAYERS, GameStep, TwoAgentGame, VersusScripted
-from tinker_pipelines.learner import Learner, LearnerConfig
+from tinker_pipelines.training.learner import Learner, LearnerConfig
 from tinker_pipelines.models import encode_chat, stop_token_ids
 from tinker_pipelines.rollout.episodes import RolloutConfig, env_reply_tokens, run_episodes
 from tinker_pipelines.rollout.sampler import Sampler
@@ -244,7 +244,7 @@ class MultiAgentTrainer:
 
     def rollout(self, iteration: int) -> list[dict[str, Trajectory]]:
         """`groups_per_batch` seeds x `group_size` games of self-play, sampled at `temperature`."""
-        from tinker_pipelines.experiment import derived_seed
+        from tinker_pipelines.loops.experiment import derived_seed
 
         rng = random.Random(derived_seed(self.cfg.seed, "games", iteration))
         seeds = [rng.randrange(2**31) for _ in range(self.cfg.groups_per_batch)]
@@ -257,7 +257,7 @@ class MultiAgentTrainer:
         """`scripted_groups` seeds x `group_size` games of `seat`'s agent against the scripted pool
         (seed k plays `scripted_opponents[k % len]`); one group per seed: the same start and
         opponent script, so the group baseline compares the agent's own moves."""
-        from tinker_pipelines.experiment import derived_seed
+        from tinker_pipelines.loops.experiment import derived_seed
 
         cfg = self.cfg
         if not cfg.scripted_groups:

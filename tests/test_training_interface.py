@@ -175,7 +175,7 @@ def _imports_anywhere(path: Path) -> set[str]:
 def test_the_checkpoint_code_does_not_import_the_learner():
     """The circle learner <-> learner_checkpoint is gone, type-only imports included: the
     checkpoint code sees a learner through `training.interface.ResidentLearner`."""
-    ckpt = _imports_anywhere(ROOT / "tinker_pipelines" / "learner_checkpoint.py")
+    ckpt = _imports_anywhere(ROOT / "tinker_pipelines" / "training" / "learner_checkpoint.py")
     assert "tinker_pipelines.training.learner" not in ckpt and "tinker_pipelines.training.interface" in ckpt
     assert not {m for m in _imports_anywhere(ROOT / "tinker_pipelines" / "training" / "interface.py")
                 if m.startswith("tinker_pipelines.") and "learner" in m}

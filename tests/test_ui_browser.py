@@ -239,7 +239,7 @@ def test_graphql_asset_graph_checks_and_runs(world):
 
 def test_dagster_asset_lineage_shows_our_assets_and_their_checks(world):
     page = world.page()
-    page.goto(f"{world.dagster}/locations/tinker_pipelines.definitions/asset-groups/rl/lineage")
+    page.goto(f"{world.dagster}/locations/assets.definitions/asset-groups/rl/lineage")
     _dismiss_community_dialog(world, page)
     graph = page.locator("body")
     for asset in RL_ASSETS:

@@ -285,14 +285,15 @@ def op_of(message: Request | Reply) -> Op:
     return Op(type(message).__struct_config__.tag)
 
 
-def _schema_version() -> str:
-    """A hash of every message's field names, types and defaults (docstrings left out: a
-    reworded comment is not a new protocol)."""
-    _, components = msgspec.json.schema_components([*REQUESTS.values(), *REPLIES.values(), Error])
+def schema_version(types: list[type]) -> str:
+    """A hash of the field names, types and defaults of `types` and of every type they hold
+    (docstrings left out: a reworded comment is not a new protocol)."""
+    _, components = msgspec.json.schema_components(types)
 
-    def strip(node: Any) -> Any:
+    def strip(node: Any, names: bool = False) -> Any:  # names: keys are field names, kept whatever they are
         if isinstance(node, dict):
-            return {k: strip(v) for k, v in node.items() if k not in ("description", "title")}
+            return {k: strip(v, k == "properties" and not names) for k, v in node.items()
+                    if names or k not in ("description", "title")}
         if isinstance(node, list):
             return [strip(v) for v in node]
         return node
@@ -301,7 +302,7 @@ def _schema_version() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-SCHEMA: str = _schema_version()
+SCHEMA: str = schema_version([*REQUESTS.values(), *REPLIES.values(), Error])
 """This build's protocol version; a client and a worker must agree on it."""
 
 

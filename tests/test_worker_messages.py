@@ -6,7 +6,7 @@ import math
 import multiprocessing.connection as mpc
 import pickle
 import struct
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ import msgspec
 import pytest
 import torch
 
+from tinker_pipelines.datums import CriticDatum
 from tinker_pipelines.learner import LearnerConfig
 from tinker_pipelines.models import load_model, stop_token_ids
 from tinker_pipelines.rollout.samples import Sample
@@ -33,8 +34,14 @@ def _bits(xs) -> list[bytes]:
 def test_datums_and_samples_round_trip_exactly():
     d = Datum((0, 2**31 - 1, 7), (1, 2, 3), ODD_FLOATS[:3], ODD_FLOATS[3:6], ODD_FLOATS[5:8], (0, 3, 1),
               (-1.5, 0.0, -2.25))
-    back = M.decode_request(M.encode(M.ForwardBackward("a", [d], "grpo", {"kl_coef": 0.05}))).datums[0]
-    assert isinstance(back, Datum) and back.input_tokens == d.input_tokens and back.support_sizes == d.support_sizes
+    c = CriticDatum(*(getattr(d, f.name) for f in fields(Datum)), rewards=ODD_FLOATS[:3],
+                    old_values=ODD_FLOATS[2:5], returns=ODD_FLOATS[4:7])
+    wire = M.decode_request(M.encode(M.ForwardBackward("a", M.wire_datums([d, c]), "grpo", {"kl_coef": 0.05})))
+    back, critic = M.datums_of(wire.datums)
+    assert type(back) is Datum and type(critic) is CriticDatum  # PPO's fields cross too
+    for name in ("rewards", "old_values", "returns"):
+        assert _bits(getattr(critic, name)) == _bits(getattr(c, name)), name
+    assert back.input_tokens == d.input_tokens and back.support_sizes == d.support_sizes
     for name in ("weights", "behaviour_logprobs", "advantages", "reference_logprobs"):
         assert _bits(getattr(back, name)) == _bits(getattr(d, name)), name  # bit for bit, NaN and -0.0 too
     s = Sample((5, 6, 2), ODD_FLOATS[:3], "stop", "ab", (3, 1, 40))
@@ -52,6 +59,15 @@ def test_tensors_round_trip_bit_exactly(dtype, shape):
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(M.Tensor.from_torch(t)), type=M.Tensor).to_torch()
     assert back.dtype == dtype and back.shape == t.shape
     assert torch.equal(back.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+
+
+def test_a_datum_subclass_the_wire_does_not_know_is_refused_not_truncated():
+    @dataclass(frozen=True)
+    class Tagged(Datum):
+        tag: str = "x"
+
+    with pytest.raises(TypeError, match="a worker takes Datum or CriticDatum, not Tagged"):
+        M.wire_datums([Tagged((1,), (2,), (1.0,))])
 
 
 def test_a_tensor_whose_bytes_do_not_fit_its_shape_is_refused():

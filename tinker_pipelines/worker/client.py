@@ -99,19 +99,19 @@ class WorkerClient:
 
     def forward_backward(self, adapter: str, datums: list[Datum], algorithm: str,
                          loss_cfg: dict[str, Any]) -> dict[str, float]:
-        return self.send(M.ForwardBackward(adapter, list(datums), algorithm, loss_cfg)).metrics  # type: ignore[attr-defined]
+        return self.send(M.ForwardBackward(adapter, M.wire_datums(datums), algorithm, loss_cfg)).metrics  # type: ignore[attr-defined]
 
     def optim_step(self, adapter: str) -> dict[str, float]:
         return self.send(M.OptimStep(adapter)).metrics  # type: ignore[attr-defined]
 
     def compute_logprobs(self, adapter: str, datums: list[Datum]) -> list[list[float]]:
-        return self.send(M.ComputeLogprobs(adapter, list(datums))).values  # type: ignore[attr-defined]
+        return self.send(M.ComputeLogprobs(adapter, M.wire_datums(datums))).values  # type: ignore[attr-defined]
 
     def compute_reference_logprobs(self, adapter: str, datums: list[Datum]) -> list[list[float]]:
-        return self.send(M.ComputeReferenceLogprobs(adapter, list(datums))).values  # type: ignore[attr-defined]
+        return self.send(M.ComputeReferenceLogprobs(adapter, M.wire_datums(datums))).values  # type: ignore[attr-defined]
 
     def compute_values(self, adapter: str, datums: list[Datum]) -> list[list[float]]:
-        return self.send(M.ComputeValues(adapter, list(datums))).values  # type: ignore[attr-defined]
+        return self.send(M.ComputeValues(adapter, M.wire_datums(datums))).values  # type: ignore[attr-defined]
 
     def save_state(self, adapter: str, path: str, record: dict[str, Any] | None = None,
                    extra_rng: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:

@@ -8,7 +8,8 @@ no bytes from the socket ever become code: there is no pickle on either side.
 
 Tensors cross as `Tensor` (dtype name, shape, raw little-endian bytes; bf16 included, viewed as
 bytes, not through numpy which has no bf16). Token ids and per-token floats cross as msgpack
-ints and float64s, which round-trip Python's ints and floats exactly (`Datum`, `Sample`).
+ints and float64s, which round-trip Python's ints and floats exactly (`WireDatum` carries a
+`Datum` or a PPO `CriticDatum`; `Sample` crosses as itself).
 
 `SCHEMA` is a hash of every struct's field names, types and defaults, computed at import: a
 change to any message changes it, and a client of another schema is refused at its hello with
@@ -26,6 +27,7 @@ from typing import Any, Union
 import msgspec
 import torch
 
+from tinker_pipelines.datums import CriticDatum
 from tinker_pipelines.rollout.samples import Sample
 from tinker_pipelines.types import Datum
 
@@ -83,6 +85,55 @@ class Tensor(msgspec.Struct, frozen=True):
         return torch.frombuffer(bytearray(self.data), dtype=torch.uint8).view(dt).reshape(self.shape)
 
 
+class CriticFields(msgspec.Struct, frozen=True):
+    """What a `CriticDatum` (PPO) adds to a `Datum`."""
+
+    rewards: tuple[float, ...]
+    old_values: tuple[float, ...]
+    returns: tuple[float, ...]
+
+
+class WireDatum(msgspec.Struct, frozen=True):
+    """A `Datum` on the wire, or a `CriticDatum` when `critic` is set (the loss reads its
+    fields: a plain `Datum` would silently train PPO's value head on nothing)."""
+
+    input_tokens: tuple[int, ...]
+    target_tokens: tuple[int, ...]
+    weights: tuple[float, ...]
+    behaviour_logprobs: tuple[float, ...] = ()
+    advantages: tuple[float, ...] = ()
+    support_sizes: tuple[int, ...] = ()
+    reference_logprobs: tuple[float, ...] = ()
+    critic: CriticFields | None = None
+
+    def __post_init__(self) -> None:
+        self.to_datum()  # Datum's own length checks, at decode: the error names the datum's field
+
+    @classmethod
+    def of(cls, d: Datum) -> WireDatum:
+        if type(d) not in (Datum, CriticDatum):  # another subclass's fields would be dropped on the way
+            raise TypeError(f"a worker takes Datum or CriticDatum, not {type(d).__name__}")
+        critic = CriticFields(d.rewards, d.old_values, d.returns) if isinstance(d, CriticDatum) else None
+        return cls(d.input_tokens, d.target_tokens, d.weights, d.behaviour_logprobs, d.advantages, d.support_sizes,
+                   d.reference_logprobs, critic)
+
+    def to_datum(self) -> Datum:
+        base = (self.input_tokens, self.target_tokens, self.weights, self.behaviour_logprobs, self.advantages,
+                self.support_sizes, self.reference_logprobs)
+        if self.critic is None:
+            return Datum(*base)
+        return CriticDatum(*base, rewards=self.critic.rewards, old_values=self.critic.old_values,
+                           returns=self.critic.returns)
+
+
+def wire_datums(datums: list[WireDatum]) -> list[WireDatum]:
+    return [WireDatum.of(d) for d in datums]
+
+
+def datums_of(wire: list[WireDatum]) -> list[Datum]:
+    return [w.to_datum() for w in wire]
+
+
 # -- requests -------------------------------------------------------------------------------
 class Request(msgspec.Struct, frozen=True, tag_field="op"):
     """Base of every request; its `op` tag is the class's `Op`."""
@@ -137,7 +188,7 @@ class SampleCall(AdapterRequest, frozen=True, tag=Op.SAMPLE.value):
 
 
 class ForwardBackward(AdapterRequest, frozen=True, tag=Op.FORWARD_BACKWARD.value):
-    datums: list[Datum]
+    datums: list[WireDatum]
     algorithm: str  # a registered algorithm's name: losses are looked up, never sent
     loss_cfg: dict[str, Any] = {}
 
@@ -147,15 +198,15 @@ class OptimStep(AdapterRequest, frozen=True, tag=Op.OPTIM_STEP.value):
 
 
 class ComputeLogprobs(AdapterRequest, frozen=True, tag=Op.COMPUTE_LOGPROBS.value):
-    datums: list[Datum]
+    datums: list[WireDatum]
 
 
 class ComputeReferenceLogprobs(AdapterRequest, frozen=True, tag=Op.COMPUTE_REFERENCE_LOGPROBS.value):
-    datums: list[Datum]
+    datums: list[WireDatum]
 
 
 class ComputeValues(AdapterRequest, frozen=True, tag=Op.COMPUTE_VALUES.value):
-    datums: list[Datum]
+    datums: list[WireDatum]
 
 
 class SaveState(AdapterRequest, frozen=True, tag=Op.SAVE_STATE.value):

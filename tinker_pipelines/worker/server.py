@@ -281,7 +281,7 @@ class WorkerServer:
         for op in _BATCHED:
             items = [i for i in batch if _op(i) == op and i.reply is None]
             if items:
-                for item, reply in zip(items, self._batched[op]([msgspec.structs.asdict(i.request) for i in items])):
+                for item, reply in zip(items, self._batched[op]([_engine_call(i.request) for i in items])):
                     item.reply = M.Error(reply["error"], reply["message"]) if "error" in reply else _reply(op, reply)
         for item in batch:
             if item.reply is not None:
@@ -316,10 +316,10 @@ class WorkerServer:
             Op.STATS: lambda c, r: M.StatsReply(e.stats()),
             Op.SHUTDOWN: lambda c, r: (threading.Thread(target=self.stop, daemon=True).start(), M.ShutdownReply())[1],
             Op.OPTIM_STEP: lambda c, r: M.OptimStepReply(learner(r).optim_step()),
-            Op.COMPUTE_LOGPROBS: lambda c, r: M.ComputeLogprobsReply(learner(r).compute_logprobs(r.datums)),
+            Op.COMPUTE_LOGPROBS: lambda c, r: M.ComputeLogprobsReply(learner(r).compute_logprobs(M.datums_of(r.datums))),
             Op.COMPUTE_REFERENCE_LOGPROBS: lambda c, r: M.ComputeReferenceLogprobsReply(
-                learner(r).compute_reference_logprobs(r.datums)),
-            Op.COMPUTE_VALUES: lambda c, r: M.ComputeValuesReply(learner(r).compute_values(r.datums)),
+                learner(r).compute_reference_logprobs(M.datums_of(r.datums))),
+            Op.COMPUTE_VALUES: lambda c, r: M.ComputeValuesReply(learner(r).compute_values(M.datums_of(r.datums))),
             Op.SAVE_STATE: lambda c, r: M.SaveStateReply(e.save_state(
                 r.adapter, r.path, r.record, {k: t.to_torch() for k, t in (r.extra_rng or {}).items()})),
             Op.LOAD_STATE: lambda c, r: M.LoadStateReply(e.load_state(r.adapter, r.path)),
@@ -357,6 +357,14 @@ def _label(item: _Item) -> str:
     if r is None:
         return "disconnected:"
     return f"{M.op_of(r).value}:{r.adapter if isinstance(r, M.AdapterRequest) else getattr(r, 'name', '')}"
+
+
+def _engine_call(r: M.Request) -> dict[str, Any]:
+    """A batched request as `Engine.sample` / `forward_backward` take it."""
+    call = msgspec.structs.asdict(r)
+    if isinstance(r, M.ForwardBackward):
+        call["datums"] = M.datums_of(r.datums)
+    return call
 
 
 def _reply(op: Op, out: dict[str, Any]) -> M.Reply:

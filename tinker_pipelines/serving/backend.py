@@ -80,7 +80,7 @@ class EngineBackend:
         def create() -> str:
             e = self.engine
             e.create(0, name, asdict(learner_config(v)), seed=0, base_name=_record_base(v))
-            e.call(name, "load_state", path=str(v.path))
+            e.load_state(name, str(v.path))
             return name
         return self.run(create).result()
 

@@ -145,7 +145,7 @@ def worker_stats(address: str) -> dict:
 
     c = WorkerClient(address)
     try:
-        return c.request("stats")
+        return c.stats()
     finally:
         c.close()
 

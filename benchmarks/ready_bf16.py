@@ -91,7 +91,7 @@ def worker_check(engine: Engine) -> dict:
                             for a, m in zip(ADAPTERS, mixed))
     else:  # no batch invariance on a GPU: each mixed row scores as its adapter alone scores it
         samples_match = all("samples" in m for m in mixed) and all(
-            max(differences(d, engine.call(a, "compute_logprobs", datums=d))) < MIXED_ATOL
+            max(differences(d, engine.get(a).learner.compute_logprobs(d))) < MIXED_ATOL
             for a, m in zip(ADAPTERS, mixed) for d in [rl_datums(PROMPTS, m["samples"])])
     grpo = "grpo"
     calls = [{"adapter": a, "datums": rl_datums(PROMPTS, alone[a]["samples"]), "algorithm": grpo,
@@ -114,7 +114,7 @@ def worker_check(engine: Engine) -> dict:
             grad_err = max(grad_err, float((p.grad.float() - g.float()).norm() / g.float().norm().clamp_min(1e-12)))
             p.grad = None
     stats = engine.stats()
-    learner_lps = engine.call(ADAPTERS[0], "compute_logprobs", datums=calls[0]["datums"])
+    learner_lps = engine.get(ADAPTERS[0]).learner.compute_logprobs(calls[0]["datums"])
     diffs = differences(calls[0]["datums"], learner_lps)
     return {"samples_match": samples_match, "grad_rel_err": grad_err, "shared_passes": stats["shared_passes"] - before,
             "shared_pass_errors": stats["shared_pass_errors"], "mixed_batches": stats["mixed_batches"],

@@ -186,7 +186,7 @@ def test_rl_job_on_the_gpu_executor_with_a_worker(tmp_path):
         assert not replay_audit(events, Inventory.from_config({"count": 1, "memory_gb": 16})).oversubscribed
         # each step process parked the experiment's adapter; each later one took it over
         probe = WorkerClient(address)
-        stats = probe.request("stats")
+        stats = probe.stats()
         probe.close()
         assert stats["parked"] == ["gx"] and stats["claims"] == 3, stats
     finally:

@@ -16,7 +16,7 @@ from tinker_pipelines.envs import Env
 from tinker_pipelines.types import StepResult
 from tinker_pipelines.training.learner import LearnerConfig
 from tinker_pipelines.loops.train import Experiment, deterministic_metrics, train
-from tinker_pipelines.worker import PROTOCOL_VERSION, WorkerDiedError, WorkerError
+from tinker_pipelines.worker import WorkerDiedError, WorkerError, messages
 from tinker_pipelines.worker.client import RemoteLearner, WorkerClient, start_worker
 from tinker_pipelines.worker.server import key_path
 
@@ -149,7 +149,7 @@ def test_concurrent_experiments_equal_their_solo_runs_exactly(tmp_path, worker):
     for t in threads:
         t.join()
     assert not errors, errors
-    stats = WorkerClient(str(address)).request("stats")
+    stats = WorkerClient(str(address)).stats()
     assert len(stats["adapters"]) >= len(exps)
     for k, (t, s) in enumerate(zip(together, solo)):
         for i, (a, b) in enumerate(zip(t, s)):
@@ -163,18 +163,20 @@ def test_worker_refuses_bad_clients_and_bad_requests(tmp_path, worker):
     with pytest.raises(WorkerError, match="refused this client's auth key"):
         WorkerClient(address, authkey=b"wrong")
     raw = Client(str(address), family="AF_UNIX", authkey=key_path(address).read_bytes())
-    raw.send({"op": "hello", "v": PROTOCOL_VERSION + 1})
-    reply = raw.recv()
-    assert not reply["ok"] and "protocol" in reply["message"]
+    raw.send_bytes(messages.encode(messages.Hello("0" * 12)))  # a client of another schema
+    reply = messages.decode_reply(messages.Op.HELLO, raw.recv_bytes())
+    assert isinstance(reply, messages.Error) and reply.error == "ProtocolError"
+    assert f"schema '000000000000', this worker speaks {messages.SCHEMA!r}" in reply.message
+    assert "\n" not in reply.message
     client = WorkerClient(address)
     with pytest.raises(WorkerError, match="unknown adapter 'nope'"):
-        client.request("call", "nope", adapter="nope", what="optim_step")
+        client.optim_step("nope")
     RemoteLearner(client, "exp", LearnerConfig(), seed=0)
     other = WorkerClient(address)
     with pytest.raises(WorkerError, match="already exists"):
         RemoteLearner(other, "exp", LearnerConfig(), seed=0)
     with pytest.raises(WorkerError, match="belongs to another client"):
-        other.request("call", "exp", adapter="exp", what="optim_step")
+        other.optim_step("exp")
     with pytest.raises(WorkerError, match="lora_rank 128"):
         RemoteLearner(other, "big", LearnerConfig(lora_rank=128), seed=0)
     with pytest.raises(WorkerError, match="match no module"):
@@ -192,7 +194,7 @@ def test_worker_refuses_bad_clients_and_bad_requests(tmp_path, worker):
 
     long = Datum(tuple([1] * 1100), tuple([1] * 1100), tuple([1.0] * 1100), tuple([0.0] * 1100), tuple([1.0] * 1100))
     with pytest.raises(WorkerError, match="exceeds the model context"):
-        client.request("forward_backward", "exp", adapter="exp", datums=[long], algorithm="grpo", loss_cfg={})
+        client.forward_backward("exp", [long], "grpo", {})
     # the worker still serves
     out = RemoteSampler(client, "exp").sample([[1, 2, 3]], 4, 0.0)
     assert len(out) == 1 and proc.poll() is None
@@ -219,11 +221,11 @@ def test_client_dying_leaves_others_untouched_and_worker_cleans_up(tmp_path, wor
     child.join()
     after = deterministic_metrics(keep.run_iteration(1))
     assert after["iteration"] == 1 and before["iteration"] == 0
-    stats = keep.worker.request("stats")
+    stats = keep.worker.stats()
     deadline = time.time() + 10
     while "dying" in stats["adapters"] and time.time() < deadline:
         time.sleep(0.2)
-        stats = keep.worker.request("stats")
+        stats = keep.worker.stats()
     assert stats["adapters"] == ["keep"]
     os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(timeout=30)
@@ -300,6 +302,6 @@ def test_an_adapter_recreated_after_its_client_left_trains(tmp_path, worker):
         exp.worker.close()
         deadline = time.time() + 10
         probe = WorkerClient(address)
-        while probe.request("stats")["adapters"] and time.time() < deadline:
+        while probe.stats()["adapters"] and time.time() < deadline:
             time.sleep(0.1)
         probe.close()

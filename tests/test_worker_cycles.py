@@ -9,7 +9,7 @@ import torch
 
 from tinker_pipelines.training.learner import LearnerConfig
 from tinker_pipelines.models import load_model, stop_token_ids
-from tinker_pipelines.worker.client import WorkerClient
+from tinker_pipelines.worker.client import WorkerClient, sample_call
 from tinker_pipelines.worker.engine import Engine, EngineConfig
 from tinker_pipelines.worker.server import MAX_HOLDS, WorkerServer
 
@@ -17,9 +17,7 @@ LEARNER = asdict(LearnerConfig(mode="lora"))
 
 
 def _sample(client: WorkerClient, adapter: str) -> list:
-    state = torch.Generator().manual_seed(7).get_state().numpy().tobytes()
-    return client.request("sample", adapter, adapter=adapter, prompts=[[5, 6, 7], [8, 9]], max_new_tokens=4,
-                          temperature=1.0, generator_state=state)["samples"]
+    return client.sample(sample_call(adapter, [[5, 6, 7], [8, 9]], 4, 1.0, torch.Generator().manual_seed(7))).samples
 
 
 @pytest.fixture
@@ -41,12 +39,12 @@ def _cycle_of(server: WorkerServer, op: str) -> int:
 @pytest.mark.parametrize("server", [5.0, 0.0], indirect=True, ids=["hold", "no hold"])
 def test_a_sample_waits_for_a_client_busy_with_another_call(server):
     a, b = WorkerClient(server.address), WorkerClient(server.address)
-    a.request("create", name="a", learner=LEARNER, seed=1)
+    a.create("a", LEARNER, seed=1)
     out = {}
     ta = threading.Thread(target=lambda: out.setdefault("a", _sample(a, "a")))
 
     def b_claims_then_samples():  # as a step process does: create (claim) its adapter, then sample
-        b.request("create", name="b", learner=LEARNER, seed=2)
+        b.create("b", LEARNER, seed=2)
         out["b"] = _sample(b, "b")
 
     tb = threading.Thread(target=b_claims_then_samples)
@@ -61,13 +59,13 @@ def test_a_sample_waits_for_a_client_busy_with_another_call(server):
 @pytest.mark.parametrize("server", [5.0], indirect=True)
 def test_a_sample_is_held_at_most_max_holds_cycles(server):
     a, b = WorkerClient(server.address), WorkerClient(server.address)
-    a.request("create", name="a", learner=LEARNER, seed=1)
+    a.create("a", LEARNER, seed=1)
     started, stop = threading.Event(), threading.Event()
 
     def b_never_samples():
         k = 0
         while not stop.is_set():
-            b.request("create", name=f"b{k}", learner=LEARNER, seed=k)
+            b.create(f"b{k}", LEARNER, seed=k)
             started.set()
             k += 1
 

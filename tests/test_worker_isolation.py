@@ -19,7 +19,7 @@ from tinker_pipelines.rollout.sampler import SampleRequest
 from tinker_pipelines.serving import ServingError
 from tinker_pipelines.serving import protocol as P
 from tinker_pipelines.types import Datum
-from tinker_pipelines.worker import PROTOCOL_VERSION
+from tinker_pipelines.worker import messages
 from tinker_pipelines.worker import batching as batching_module
 from tinker_pipelines.worker import server as server_module
 from tinker_pipelines.worker.engine import Engine, EngineConfig
@@ -177,18 +177,24 @@ def test_silent_and_unreadable_clients_are_cut_off_not_left_hanging(live_server)
     assert data and time.monotonic() - start < 5
     silent.close()
     conn = Client(str(address), family="AF_UNIX", authkey=key_path(address).read_bytes())
-    conn.send_bytes(b"not a pickle")
-    reply = conn.recv()
-    assert not reply["ok"] and reply["error"] == "ProtocolError" and "first message must be" in reply["message"]
+    conn.send_bytes(b"not msgpack \xc1")
+    reply = _hello_reply(conn)
+    assert reply.error == "ProtocolError" and "first message must be a hello" in reply.message
     with pytest.raises(EOFError):
-        conn.recv()
+        conn.recv_bytes()
     conn = Client(str(address), family="AF_UNIX", authkey=key_path(address).read_bytes())
-    conn.send({"op": "sample"})
-    assert "first message must be" in conn.recv()["message"]
+    conn.send_bytes(messages.encode(messages.Stats()))
+    assert "first message must be a hello" in _hello_reply(conn).message
     good = Client(str(address), family="AF_UNIX", authkey=key_path(address).read_bytes())
-    good.send({"op": "hello", "v": PROTOCOL_VERSION})
-    assert good.recv()["ok"]
+    good.send_bytes(messages.encode(messages.Hello(messages.SCHEMA)))
+    assert isinstance(messages.decode_reply(messages.Op.HELLO, good.recv_bytes()), messages.HelloReply)
     good.close()
+
+
+def _hello_reply(conn) -> messages.Error:
+    reply = messages.decode_reply(messages.Op.HELLO, conn.recv_bytes())
+    assert isinstance(reply, messages.Error), reply
+    return reply
 
 
 def test_cli_worker_never_replaces_a_file_or_a_live_worker(live_server, tmp_path):
@@ -205,6 +211,6 @@ def test_cli_worker_never_replaces_a_file_or_a_live_worker(live_server, tmp_path
         assert len(r.stderr.strip().splitlines()) == 1
     assert data.read_text() == "keep me"
     conn = Client(str(address), family="AF_UNIX", authkey=key_path(address).read_bytes())
-    conn.send({"op": "hello", "v": PROTOCOL_VERSION})  # the live worker still serves
-    assert conn.recv()["ok"]
+    conn.send_bytes(messages.encode(messages.Hello(messages.SCHEMA)))  # the live worker still serves
+    assert isinstance(messages.decode_reply(messages.Op.HELLO, conn.recv_bytes()), messages.HelloReply)
     conn.close()

@@ -15,7 +15,7 @@ from tinker_pipelines.worker.client import NEVER_SAVED, WorkerClient
 def _stats(address):
     c = WorkerClient(address)
     try:
-        return c.request("stats")
+        return c.stats()
     finally:
         c.close()
 
@@ -56,7 +56,7 @@ def test_a_parked_adapter_needs_its_tag_and_spec_and_expires(tmp_path, worker):
     assert a.park()
     other = WorkerClient(address)
     with pytest.raises(WorkerError, match="'x' is parked"):
-        other.request("call", "x", adapter="x", what="optim_step")
+        other.optim_step("x")
     other.close()
     a.worker.close()
 

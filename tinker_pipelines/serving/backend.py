@@ -20,10 +20,9 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-import torch
 
 from tinker_pipelines.training.learner import LearnerConfig
-from tinker_pipelines.rollout.sampler import BASE, Sample, SampleRequest
+from tinker_pipelines.rollout.sampler import BASE, SampleRequest
 from tinker_pipelines.serving.errors import ServingError
 from tinker_pipelines.serving.registry import Version
 
@@ -81,7 +80,7 @@ class EngineBackend:
         def create() -> str:
             e = self.engine
             e.create(0, name, asdict(learner_config(v)), seed=0, base_name=_record_base(v))
-            e.call(name, "load_state", path=str(v.path))
+            e.load_state(name, str(v.path))
             return name
         return self.run(create).result()
 
@@ -144,9 +143,9 @@ class WorkerBackend:
 
         client = WorkerClient(self.address)
         try:
-            client.request("create", name, name=name, learner=asdict(lcfg), seed=0, base_name=base_name)
+            client.create(name, asdict(lcfg), 0, base_name)
             if path is not None:
-                client.request("call", name, adapter=name, what="load_state", kwargs={"path": path})
+                client.load_state(name, path)
         except BaseException:
             client.close()  # the worker drops the half-made adapter with the connection
             raise
@@ -170,16 +169,15 @@ class WorkerBackend:
     def _sample(self, job: _Job) -> None:
         r = job.request
         name = self._base if r.adapter == BASE else r.adapter
-        state = r.generator.get_state().numpy().tobytes() if r.generator is not None else None
+        from tinker_pipelines.worker.client import sample_call, set_generator_state
+
         try:
-            out = self._clients[name].request("sample", name, adapter=name, prompts=r.prompts,
-                                              max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                              generator_state=state, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p,
-                                              stop=list(r.stop))
+            out = self._clients[name].sample(sample_call(name, r.prompts, r.max_new_tokens, r.temperature, r.generator,
+                                                         top_k=r.top_k, top_p=r.top_p, min_p=r.min_p, stop=r.stop))
             if r.generator is not None:
-                r.generator.set_state(torch.frombuffer(bytearray(out["generator_state"]), dtype=torch.uint8))
+                set_generator_state(r.generator, out.generator_state)
             self.batches += 1
-            job.future.set_result([Sample(tuple(t), tuple(lp), r, s, tuple(n)) for t, lp, r, s, n in out["samples"]])
+            job.future.set_result(out.samples)
         except BaseException as e:  # noqa: BLE001
             job.future.set_exception(e)
 

@@ -3,17 +3,15 @@ experiments' LoRA adapters, each with its own optimizer, RNG, value head and ste
 
 - `engine`: the hosted adapters and the batching rule (concurrent `sample` calls decode in one
   mixed-adapter batch; concurrent `forward_backward` calls share base passes, `batching`).
+- `messages`: the wire protocol: the `Op` enum and one typed request and reply struct per op,
+  sent as msgpack (no pickle), versioned by a hash of the schema (`messages.SCHEMA`).
 - `server`: `tinker-pipelines worker`: a Unix socket (`multiprocessing.connection`, HMAC auth key),
-  one thread per client, one compute thread.
+  one thread per client, one compute thread, one handler per op.
 - `client`: `WorkerClient`, and `RemoteLearner` / `RemoteSampler`, which stand in for the
   in-process `Learner` / `Sampler` so the same `Experiment` runs either way.
 
 Only token ids, logprobs, advantages and file paths cross the socket, never weights.
 """
-
-PROTOCOL_VERSION = 7
-"""Bumped whenever a request or reply changes shape; a client of another version is refused."""
-
 
 class WorkerError(RuntimeError):
     """A worker refused or failed a request; the message names the worker and the experiment."""

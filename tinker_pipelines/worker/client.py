@@ -17,6 +17,7 @@ from multiprocessing.connection import AuthenticationError, Client
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn
@@ -24,12 +25,15 @@ from tinker_pipelines.algorithms.registry import ALGORITHMS
 from tinker_pipelines.training.learner import LearnerConfig
 from tinker_pipelines.rollout.sampler import ContextOverflowError, Sample
 from tinker_pipelines.types import Datum
-from tinker_pipelines.worker import PROTOCOL_VERSION, WorkerDiedError, WorkerError
+from tinker_pipelines.worker import WorkerDiedError, WorkerError
+from tinker_pipelines.worker import messages as M
 from tinker_pipelines.worker.server import key_path
 
 
 class WorkerClient:
-    """One authenticated connection to the worker at `address` (a Unix socket path)."""
+    """One authenticated connection to the worker at `address` (a Unix socket path), with one
+    typed method per op (`messages.Op`); each sends the op's request struct and returns what
+    its reply carries. Errors name the worker and the experiment (the request's adapter)."""
 
     def __init__(self, address: str | Path, authkey: bytes | None = None):
         self.address = str(address)
@@ -47,27 +51,78 @@ class WorkerClient:
         except AuthenticationError:
             raise WorkerError(f"the worker at {self.address} refused this client's auth key") from None
         self._lock = threading.Lock()
-        self.info: dict[str, Any] = self._roundtrip({"op": "hello", "v": PROTOCOL_VERSION}, "hello", "")
+        self.hello: M.HelloReply = self.send(M.Hello(M.SCHEMA))  # type: ignore[assignment]
+        self.info: dict[str, Any] = msgspec.structs.asdict(self.hello)
+        """The worker's hello (`messages.HelloReply`) as a dict: base, device, dtype, limits."""
 
-    def request(self, op: str, experiment: str = "", **fields: Any) -> Any:
-        """Send one request and wait for its reply; errors name the worker and the experiment."""
-        return self._roundtrip({"op": op, **fields}, op, experiment)
-
-    def _roundtrip(self, message: dict[str, Any], op: str, experiment: str) -> Any:
+    def send(self, request: M.Request) -> M.Reply:
+        """Send one request and wait for its reply struct; a refusal raises `WorkerError` (or
+        `ContextOverflowError`) naming the worker, the op and the experiment."""
+        op = M.op_of(request)
+        experiment = getattr(request, "adapter", "") or getattr(request, "name", "")
+        about = f"{op.value}{f' of experiment {experiment!r}' if experiment else ''}"
         with self._lock:
             try:
-                self.conn.send(message)
-                reply = self.conn.recv()
+                self.conn.send_bytes(M.encode(request))  # msgpack: `conn.send` would pickle
+                data = self.conn.recv_bytes()
             except (EOFError, OSError) as e:
-                raise WorkerDiedError(f"worker {self.address} went away during {op}"
-                                      f"{f' of experiment {experiment!r}' if experiment else ''} "
-                                      f"({type(e).__name__})") from None
-        if not reply.get("ok"):
-            msg = f"worker {self.address}: {op}{f' for experiment {experiment!r}' if experiment else ''}: {reply.get('message')}"
-            if reply.get("error") == "context_overflow":
-                raise ContextOverflowError(msg)
-            raise WorkerError(msg)
-        return reply.get("result")
+                raise WorkerDiedError(f"worker {self.address} went away during {about} ({type(e).__name__})") from None
+        try:
+            reply = M.decode_reply(op, data)
+        except M.BadMessage as e:
+            raise WorkerError(f"worker {self.address}: {about}: unreadable reply ({e})") from None
+        if isinstance(reply, M.Error):
+            msg = f"worker {self.address}: {op.value}{f' for experiment {experiment!r}' if experiment else ''}: " \
+                  f"{reply.message}"
+            raise ContextOverflowError(msg) if reply.error == "context_overflow" else WorkerError(msg)
+        return reply
+
+    # -- one method per op ------------------------------------------------------------------
+    def create(self, name: str, learner: dict[str, Any], seed: int, base_name: str = "", algorithm: str = "",
+               claim: str | None = None) -> M.CreateReply:
+        return self.send(M.Create(name, learner, seed, base_name, algorithm, claim))  # type: ignore[return-value]
+
+    def park(self, adapter: str, tag: str) -> None:
+        self.send(M.Park(adapter, tag))
+
+    def drop(self, adapter: str) -> None:
+        self.send(M.Drop(adapter))
+
+    def stats(self) -> dict[str, Any]:
+        return self.send(M.Stats()).stats  # type: ignore[attr-defined]
+
+    def shutdown(self) -> None:
+        self.send(M.Shutdown())
+
+    def sample(self, request: M.SampleCall) -> M.SampleReply:
+        return self.send(request)  # type: ignore[return-value]
+
+    def forward_backward(self, adapter: str, datums: list[Datum], algorithm: str,
+                         loss_cfg: dict[str, Any]) -> dict[str, float]:
+        return self.send(M.ForwardBackward(adapter, M.wire_datums(datums), algorithm, loss_cfg)).metrics  # type: ignore[attr-defined]
+
+    def optim_step(self, adapter: str) -> dict[str, float]:
+        return self.send(M.OptimStep(adapter)).metrics  # type: ignore[attr-defined]
+
+    def compute_logprobs(self, adapter: str, datums: list[Datum]) -> list[list[float]]:
+        return self.send(M.ComputeLogprobs(adapter, M.wire_datums(datums))).values  # type: ignore[attr-defined]
+
+    def compute_reference_logprobs(self, adapter: str, datums: list[Datum]) -> list[list[float]]:
+        return self.send(M.ComputeReferenceLogprobs(adapter, M.wire_datums(datums))).values  # type: ignore[attr-defined]
+
+    def compute_values(self, adapter: str, datums: list[Datum]) -> list[list[float]]:
+        return self.send(M.ComputeValues(adapter, M.wire_datums(datums))).values  # type: ignore[attr-defined]
+
+    def save_state(self, adapter: str, path: str, record: dict[str, Any] | None = None,
+                   extra_rng: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+        rng = None if extra_rng is None else {k: M.Tensor.from_torch(t) for k, t in extra_rng.items()}
+        return self.send(M.SaveState(adapter, path, record, rng)).record  # type: ignore[attr-defined]
+
+    def load_state(self, adapter: str, path: str) -> dict[str, Any]:
+        return self.send(M.LoadState(adapter, path)).record  # type: ignore[attr-defined]
+
+    def verify_checkpoint(self, adapter: str, path: str, probe_tokens: list[int]) -> dict[str, Any]:
+        return msgspec.structs.asdict(self.send(M.VerifyCheckpoint(adapter, path, list(probe_tokens))))
 
     def close(self) -> None:
         try:
@@ -100,18 +155,14 @@ class RemoteLearner:
         self.client, self.adapter_name, self.cfg, self.base_name = client, name, cfg, base_name
         self.device = torch.device(client.info["device"])  # a name: no tensor of the adapter lives here
         self.dtype: torch.dtype = getattr(torch, client.info["dtype"])
-        out = client.request("create", name, name=name, learner=asdict(cfg), seed=seed, base_name=base_name,
-                             claim=claim)
-        self.claimed: bool = bool(out.get("claimed"))
-        self.record: dict[str, Any] | None = out.get("record")
+        out = client.create(name, asdict(cfg), seed, base_name, claim=claim)
+        self.claimed: bool = out.claimed
+        self.record: dict[str, Any] | None = out.record
         """The record of the checkpoint the adapter was last saved to or loaded from (None: neither)."""
-        self.steps = int(out.get("steps", 0))
+        self.steps = out.steps
         self.saved_hash: str | None = (self.record or {}).get("content_hash", NEVER_SAVED)
         """Content hash of the checkpoint whose state the adapter holds: `NEVER_SAVED` while
         untrained, None once trained past its last checkpoint (then it is not parked)."""
-
-    def _call(self, what: str, **kwargs: Any) -> Any:
-        return self.client.request("call", self.adapter_name, adapter=self.adapter_name, what=what, kwargs=kwargs)
 
     def activate(self) -> None:
         return None
@@ -120,36 +171,35 @@ class RemoteLearner:
         if not datums:
             raise ValueError("forward_backward needs at least one datum")
         self.saved_hash = None
-        return self.client.request("forward_backward", self.adapter_name, adapter=self.adapter_name, datums=datums,
-                                   algorithm=algorithm_name(loss_fn), loss_cfg=asdict(loss_cfg))["metrics"]
+        return self.client.forward_backward(self.adapter_name, datums, algorithm_name(loss_fn), asdict(loss_cfg))
 
     def optim_step(self) -> dict[str, float]:
         self.saved_hash = None
-        out = self._call("optim_step")
+        out = self.client.optim_step(self.adapter_name)
         self.steps += 1
         return out
 
     def compute_logprobs(self, datums: list[Datum]) -> list[list[float]]:
-        return self._call("compute_logprobs", datums=datums)
+        return self.client.compute_logprobs(self.adapter_name, datums)
 
     def compute_reference_logprobs(self, datums: list[Datum]) -> list[list[float]]:
-        return self._call("compute_reference_logprobs", datums=datums)
+        return self.client.compute_reference_logprobs(self.adapter_name, datums)
 
     def compute_values(self, datums: list[Datum]) -> list[list[float]]:
-        return self._call("compute_values", datums=datums)
+        return self.client.compute_values(self.adapter_name, datums)
 
     def save_state(self, path: str | Path, record: dict[str, Any] | None = None,
                    extra_rng: dict[str, Any] | None = None) -> dict[str, Any]:
-        self.record = self._call("save_state", path=str(Path(path).resolve()), record=record, extra_rng=extra_rng)
+        self.record = self.client.save_state(self.adapter_name, str(Path(path).resolve()), record, extra_rng)
         self.saved_hash = self.record["content_hash"]
         return self.record
 
     def verify_checkpoint(self, path: str | Path, probe_tokens: list[int]) -> dict[str, Any]:
-        return self._call("verify_checkpoint", path=str(Path(path).resolve()), probe_tokens=list(probe_tokens))
+        return self.client.verify_checkpoint(self.adapter_name, str(Path(path).resolve()), list(probe_tokens))
 
     def load_state(self, path: str | Path) -> dict[str, Any]:
         self.saved_hash = None  # until the load succeeded
-        record = self._call("load_state", path=str(Path(path).resolve()))
+        record = self.client.load_state(self.adapter_name, str(Path(path).resolve()))
         self.steps = int(record.get("learner_steps", 0))
         self.record, self.saved_hash = record, record["content_hash"]
         return record
@@ -160,7 +210,7 @@ class RemoteLearner:
         past its last checkpoint (its state would be found in no checkpoint)."""
         if self.saved_hash is None:
             return False
-        self.client.request("park", self.adapter_name, name=self.adapter_name, tag=tag)
+        self.client.park(self.adapter_name, tag)
         return True
 
 
@@ -182,14 +232,26 @@ class RemoteSampler:
             return []
         if generator is not None and generator.device.type != "cpu":
             raise ValueError("a worker takes a CPU generator (its uniforms are moved to the worker's device)")
-        # bytes, not a tensor: torch pickles tensors as shared-memory handles only a related process can open
-        state = generator.get_state().numpy().tobytes() if generator is not None else None
-        out = self.client.request("sample", self.adapter, adapter=self.adapter, prompts=[list(p) for p in prompts],
-                                  max_new_tokens=max_new_tokens, temperature=temperature, generator_state=state,
-                                  top_k=top_k, top_p=top_p, min_p=min_p, stop=list(stop))
+        out = self.client.sample(sample_call(self.adapter, prompts, max_new_tokens, temperature, generator, top_k=top_k,
+                                             top_p=top_p, min_p=min_p, stop=stop))
         if generator is not None:
-            generator.set_state(torch.frombuffer(bytearray(out["generator_state"]), dtype=torch.uint8))
-        return [Sample(tuple(t), tuple(lp), r, s, tuple(n)) for t, lp, r, s, n in out["samples"]]
+            set_generator_state(generator, out.generator_state)
+        return out.samples
+
+
+def sample_call(adapter: str, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                generator: torch.Generator | None, *, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                stop: tuple[str, ...] | list[str] = ()) -> M.SampleCall:
+    """A `sample` request; a CPU generator travels as its state's bytes and comes back advanced."""
+    state = generator.get_state().numpy().tobytes() if generator is not None else None
+    return M.SampleCall(adapter, [list(p) for p in prompts], max_new_tokens, temperature, state, top_k, top_p,
+                        min_p, list(stop))
+
+
+def set_generator_state(generator: torch.Generator, state: bytes | None) -> None:
+    if state is None:
+        raise WorkerError("the worker returned no generator state for a request that brought one")
+    generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
 
 def start_worker(model: str, address: str | Path, device: str = "auto", dtype: str = "auto",

@@ -303,37 +303,27 @@ class Engine:
                 replies[i] = _error(e)
         return replies  # type: ignore[return-value]
 
-    def call(self, name: str, op: str, **kw: Any) -> Any:
-        """The single-adapter operations."""
+    def save_state(self, name: str, path: str, record: dict[str, Any] | None,
+                   extra_rng: dict[str, Any] | None) -> dict[str, Any]:
+        """Checkpoint adapter `name`, its own sampling generator with it (restored by `load_state`)."""
         h = self.get(name)
-        lr = h.learner
-        if op == "optim_step":
-            return lr.optim_step()
-        if op == "compute_logprobs":
-            return lr.compute_logprobs(kw["datums"])
-        if op == "compute_reference_logprobs":
-            return lr.compute_reference_logprobs(kw["datums"])
-        if op == "compute_values":
-            return lr.compute_values(kw["datums"])
-        if op == "save_state":
-            h.record = lr.save_state(kw["path"], kw.get("record"), {**(kw.get("extra_rng") or {}),
-                                                                    "adapter_generator": h.generator.get_state()})
-            return h.record
-        if op == "verify_checkpoint":
-            return lr.verify_checkpoint(kw["path"], kw["probe_tokens"])
-        if op == "load_state":
-            path = Path(kw["path"])
-            record = _peek_record(path)
-            if record.get("base_model") not in (None, "", lr.base_name):
-                raise RequestError(f"checkpoint {path} was trained on base {record.get('base_model')!r}; adapter "
-                                   f"{name!r} lives on this worker's base {lr.base_name!r}")
-            record = lr.load_state(path)
-            rng = torch.load(path / "rng.pt", weights_only=True)
-            if "adapter_generator" in rng:
-                h.generator.set_state(rng["adapter_generator"])
-            h.record = record
-            return record
-        raise RequestError(f"unknown operation {op!r}")
+        h.record = h.learner.save_state(path, record, {**(extra_rng or {}), "adapter_generator": h.generator.get_state()})
+        return h.record
+
+    def load_state(self, name: str, path: str | Path) -> dict[str, Any]:
+        """Restore adapter `name` from a checkpoint made on this worker's base; returns its record."""
+        h = self.get(name)
+        path, lr = Path(path), h.learner
+        record = _peek_record(path)
+        if record.get("base_model") not in (None, "", lr.base_name):
+            raise RequestError(f"checkpoint {path} was trained on base {record.get('base_model')!r}; adapter "
+                               f"{name!r} lives on this worker's base {lr.base_name!r}")
+        record = lr.load_state(path)
+        rng = torch.load(path / "rng.pt", weights_only=True)
+        if "adapter_generator" in rng:
+            h.generator.set_state(rng["adapter_generator"])
+        h.record = record
+        return record
 
     def stats(self) -> dict[str, Any]:
         usage = resource.getrusage(resource.RUSAGE_SELF)

@@ -37,8 +37,12 @@ from multiprocessing.connection import AuthenticationError, Listener, answer_cha
 from pathlib import Path
 from typing import Any
 
-from tinker_pipelines.worker import PROTOCOL_VERSION
-from tinker_pipelines.worker.engine import Engine, RequestError, _error
+import msgspec
+
+from tinker_pipelines.rollout.samples import Sample
+from tinker_pipelines.worker import messages as M
+from tinker_pipelines.worker.engine import Engine, RequestError
+from tinker_pipelines.worker.messages import Op
 
 HANDSHAKE_TIMEOUT_S = 10.0
 
@@ -50,15 +54,18 @@ def key_path(address: str | Path) -> Path:
 
 MAX_HOLDS = 4
 """Most cycles a `sample` call is held for other clients' samples to join it."""
-_NOT_WORK = ("_disconnected", "shutdown", "stats")
+_NOT_WORK = (Op.SHUTDOWN, Op.STATS)
 """Requests that do not mean their client will sample soon: they never hold samples."""
+_BATCHED = (Op.SAMPLE, Op.FORWARD_BACKWARD)
+"""Ops whose concurrent calls of several clients run together (`Engine.sample` / `forward_backward`)."""
 
 
 @dataclass
 class _Item:
     client: int
-    request: dict[str, Any]
-    reply: dict[str, Any] | None = None
+    request: M.Request | None
+    """The client's request; None: the client went away (its adapters are dropped)."""
+    reply: M.Reply | None = None
     done: threading.Event = field(default_factory=threading.Event)
     holds: int = 0
 
@@ -78,6 +85,11 @@ class WorkerServer:
         self._next_client = 0
         self._stopping = threading.Event()
         self._listener: Listener | None = None
+        self._batched = {Op.SAMPLE: engine.sample, Op.FORWARD_BACKWARD: engine.forward_backward}
+        self._handlers = self._handler_table()
+        missing = set(Op) - {Op.HELLO} - set(self._batched) - set(self._handlers)
+        if missing:  # an op declared in `messages` that nothing here serves
+            raise TypeError(f"worker ops without a handler: {sorted(o.value for o in missing)}")
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -143,49 +155,29 @@ class WorkerServer:
             threading.Thread(target=self._serve_client, args=(conn, self._next_client), daemon=True).start()
 
     def _serve_client(self, conn, client: int) -> None:
-        # Closing a connection does not wake a thread blocked reading it; shutting its socket down does.
-        deadline = threading.Timer(HANDSHAKE_TIMEOUT_S, _cut, args=(conn,))
-        deadline.start()
-        try:
-            try:
-                deliver_challenge(conn, self.authkey)
-                answer_challenge(conn, self.authkey)
-            except (AuthenticationError, OSError, EOFError, ValueError) as e:
-                print(f"worker: refused a client ({type(e).__name__}: {e})", file=self.log, flush=True)
-                conn.close()
-                return
-            try:
-                hello = conn.recv()
-            except (OSError, EOFError, TypeError):  # gone, or cut off by the deadline
-                conn.close()
-                return
-            except Exception as exc:  # noqa: BLE001 - an authenticated client sent something unreadable
-                hello = f"unreadable ({type(exc).__name__}: {exc})"
-        finally:
-            deadline.cancel()
-        problem = _hello_problem(hello)
+        problem = self._greet(conn)
+        if problem is None:  # gone, refused, or cut off by the deadline
+            conn.close()
+            return
         if problem:
-            _send(conn, {"ok": False, "error": "ProtocolError", "message": problem})
+            _send(conn, M.Error("ProtocolError", problem))
             conn.close()
             return
         e = self.engine
-        _send(conn, {"ok": True, "result": {"protocol": PROTOCOL_VERSION, "base": e.base, "device": str(e.device),
-                                            "dtype": str(e.dtype).removeprefix("torch."),
-                                            "batching": e.cfg.batching, "stop_token_ids": e.stop_token_ids,
-                                            "pad_token_id": e.pad_token_id, "pid": os.getpid(),
-                                            "max_context": e.sampler.max_context}})
+        _send(conn, M.HelloReply(M.SCHEMA, e.base, str(e.device), str(e.dtype).removeprefix("torch."),
+                                 e.cfg.batching, list(e.stop_token_ids), e.pad_token_id, os.getpid(),
+                                 e.sampler.max_context))
         self._clients.add(client)
         try:
             while True:
                 try:
-                    request = conn.recv()
+                    data = conn.recv_bytes()
                 except (EOFError, OSError):
                     break
-                except Exception as exc:  # a message that does not unpickle here
-                    request = f"unreadable request ({type(exc).__name__}: {exc})"
-                if not isinstance(request, dict):
-                    message = request if isinstance(request, str) else "a request is a dict"
-                    if not _send(conn, {"ok": False, "error": "ProtocolError", "message": message}):
+                try:
+                    request = M.decode_request(data)
+                except M.BadMessage as exc:  # refused alone: this client may go on, the others never notice
+                    if not _send(conn, M.Error("ProtocolError", str(exc))):
                         break
                     continue
                 item = _Item(client, request)
@@ -196,7 +188,28 @@ class WorkerServer:
         finally:
             self._clients.discard(client)
             conn.close()
-            self._queue.put(_Item(client, {"op": "_disconnected"}))
+            self._queue.put(_Item(client, None))
+
+    def _greet(self, conn) -> str | None:
+        """Authenticate a new client and read its hello, within the handshake deadline: None
+        when it went away or was refused, else why its hello is not served ('' when it is).
+        Closing a connection does not wake a thread blocked reading it; shutting its socket down does."""
+        deadline = threading.Timer(HANDSHAKE_TIMEOUT_S, _cut, args=(conn,))
+        deadline.start()
+        try:
+            try:
+                deliver_challenge(conn, self.authkey)
+                answer_challenge(conn, self.authkey)
+            except (AuthenticationError, OSError, EOFError, ValueError) as e:
+                print(f"worker: refused a client ({type(e).__name__}: {e})", file=self.log, flush=True)
+                return None
+            try:
+                data = conn.recv_bytes()
+            except (OSError, EOFError):
+                return None
+        finally:
+            deadline.cancel()
+        return _hello_problem(data)
 
     # -- compute ----------------------------------------------------------------------------
     def _compute_loop(self) -> None:
@@ -224,8 +237,7 @@ class WorkerServer:
                 t0 = time.perf_counter()
                 with self.engine.lock:
                     self._run(batch)
-                ops = tuple(f"{i.request.get('op')}:{i.request.get('adapter', i.request.get('what', ''))}"
-                            for i in batch)
+                ops = tuple(_label(i) for i in batch)
                 self.cycles.append(ops)
                 if os.environ.get("TINKER_WORKER_TRACE"):
                     print(f"worker: {time.perf_counter() - t0:.3f}s {','.join(ops)}"
@@ -234,10 +246,10 @@ class WorkerServer:
                 traceback.print_exc(file=self.log)
                 for item in batch:
                     if item.reply is None:
-                        item.reply = {"ok": False, **_error(e)}
+                        item.reply = M.error_reply(e)
             for item in batch:
-                if item.reply is None:
-                    item.reply = {"ok": True, "result": None}
+                if item.reply is None and item.request is not None:  # a handler that replied nothing: a bug
+                    item.reply = M.Error("RuntimeError", f"worker bug: no reply to {_label(item)}")
                 item.done.set()
 
     def _hold(self, batch: list[_Item]) -> tuple[list[_Item], set[int]]:
@@ -246,8 +258,8 @@ class WorkerServer:
         `hold_s` is 0, or the cycle has no other work)."""
         if not (self.engine.cfg.batching and self.hold_s > 0):
             return [], set()
-        others = {i.client for i in batch if i.request.get("op") not in ("sample", *_NOT_WORK)}
-        held = [i for i in batch if i.request.get("op") == "sample" and i.holds < MAX_HOLDS and i.client not in others]
+        others = {i.client for i in batch if i.request is not None and M.op_of(i.request) not in (Op.SAMPLE, *_NOT_WORK)}
+        held = [i for i in batch if _op(i) == Op.SAMPLE and i.holds < MAX_HOLDS and i.client not in others]
         if not (held and others):
             return [], set()
         for i in held:
@@ -261,51 +273,59 @@ class WorkerServer:
             print(f"worker: dropped parked adapters nobody claimed in {e.cfg.park_ttl_s:g} s: {', '.join(expired)}",
                   file=self.log, flush=True)
         for item in batch:
-            if item.request.get("op") in ("sample", "forward_backward"):
+            if isinstance(item.request, M.AdapterRequest):
                 try:
-                    self._check_owner(item.client, item.request.get("adapter"))
+                    self._check_owner(item.client, item.request.adapter)
                 except RequestError as exc:
-                    item.reply = {"ok": False, **_error(exc)}
-        for kind, run in (("sample", e.sample), ("forward_backward", e.forward_backward)):
-            items = [i for i in batch if i.request.get("op") == kind and i.reply is None]
+                    item.reply = M.error_reply(exc)
+        for op in _BATCHED:
+            items = [i for i in batch if _op(i) == op and i.reply is None]
             if items:
-                for item, reply in zip(items, run([i.request for i in items])):
-                    item.reply = ({"ok": False, **reply} if "error" in reply else {"ok": True, "result": reply})
+                for item, reply in zip(items, self._batched[op]([_engine_call(i.request) for i in items])):
+                    item.reply = M.Error(reply["error"], reply["message"]) if "error" in reply else _reply(op, reply)
         for item in batch:
             if item.reply is not None:
                 continue
-            r = item.request
+            if item.request is None:
+                self._disconnected(item.client)
+                continue
             try:
-                op = r.get("op")
-                if op == "create":
-                    result = e.create(item.client, r["name"], r["learner"], int(r["seed"]), r.get("base_name", ""),
-                                      r.get("algorithm", ""), r.get("claim"))
-                elif op == "park":
-                    self._check_owner(item.client, r["name"])
-                    result = e.park(r["name"], r["tag"])
-                elif op == "drop":
-                    self._check_owner(item.client, r["name"])
-                    result = e.drop(r["name"])
-                elif op == "call":
-                    self._check_owner(item.client, r["adapter"])
-                    result = e.call(r["adapter"], r["what"], **r.get("kwargs", {}))
-                elif op == "stats":
-                    result = e.stats()
-                elif op == "_disconnected":
-                    dropped = e.drop_owned(item.client)
-                    if dropped:
-                        print(f"worker: client {item.client} went away; dropped {', '.join(dropped)}",
-                              file=self.log, flush=True)
-                    result = None
-                elif op == "shutdown":
-                    threading.Thread(target=self.stop, daemon=True).start()
-                    result = None
-                else:
-                    raise RequestError(f"unknown operation {op!r}")
-                item.reply = {"ok": True, "result": result}
+                item.reply = self._handlers[M.op_of(item.request)](item.client, item.request)
             except (RequestError, ValueError, KeyError, TypeError, FloatingPointError, RuntimeError,
                     FileNotFoundError) as exc:
-                item.reply = {"ok": False, **_error(exc)}
+                item.reply = M.error_reply(exc)
+
+    def _disconnected(self, client: int) -> None:
+        dropped = self.engine.drop_owned(client)
+        if dropped:
+            print(f"worker: client {client} went away; dropped {', '.join(dropped)}", file=self.log, flush=True)
+
+    def _handler_table(self) -> dict[Op, Any]:
+        """The handler of every op that runs one call at a time: (client id, request) -> reply.
+        The owner of an `AdapterRequest`'s adapter was checked before (`_run`)."""
+        e = self.engine
+
+        def learner(r: M.AdapterRequest):
+            return e.get(r.adapter).learner
+
+        return {
+            Op.CREATE: lambda c, r: M.CreateReply(**e.create(c, r.name, r.learner, r.seed, r.base_name,
+                                                              r.algorithm, r.claim)),
+            Op.PARK: lambda c, r: (e.park(r.adapter, r.tag), M.ParkReply())[1],
+            Op.DROP: lambda c, r: (e.drop(r.adapter), M.DropReply())[1],
+            Op.STATS: lambda c, r: M.StatsReply(e.stats()),
+            Op.SHUTDOWN: lambda c, r: (threading.Thread(target=self.stop, daemon=True).start(), M.ShutdownReply())[1],
+            Op.OPTIM_STEP: lambda c, r: M.OptimStepReply(learner(r).optim_step()),
+            Op.COMPUTE_LOGPROBS: lambda c, r: M.ComputeLogprobsReply(learner(r).compute_logprobs(M.datums_of(r.datums))),
+            Op.COMPUTE_REFERENCE_LOGPROBS: lambda c, r: M.ComputeReferenceLogprobsReply(
+                learner(r).compute_reference_logprobs(M.datums_of(r.datums))),
+            Op.COMPUTE_VALUES: lambda c, r: M.ComputeValuesReply(learner(r).compute_values(M.datums_of(r.datums))),
+            Op.SAVE_STATE: lambda c, r: M.SaveStateReply(e.save_state(
+                r.adapter, r.path, r.record, {k: t.to_torch() for k, t in (r.extra_rng or {}).items()})),
+            Op.LOAD_STATE: lambda c, r: M.LoadStateReply(e.load_state(r.adapter, r.path)),
+            Op.VERIFY_CHECKPOINT: lambda c, r: M.VerifyCheckpointReply(
+                **learner(r).verify_checkpoint(r.path, r.probe_tokens)),
+        }
 
     def _check_owner(self, client: int, name: str) -> None:
         h = self.engine.get(name)
@@ -315,15 +335,44 @@ class WorkerServer:
             raise RequestError(f"adapter {name!r} belongs to another client of this worker")
 
 
-def _hello_problem(hello: Any) -> str:
+def _hello_problem(data: bytes) -> str:
     """Why a client's first message is not a hello this worker can serve ('' when it is)."""
-    if not (isinstance(hello, dict) and hello.get("op") == "hello"):
-        shown = hello if isinstance(hello, str) else f"op {hello.get('op')!r}" if isinstance(hello, dict) else \
-            type(hello).__name__
-        return f"the first message must be {{'op': 'hello', 'v': {PROTOCOL_VERSION}}}, got {shown}"
-    if hello.get("v") != PROTOCOL_VERSION:
-        return f"client speaks protocol {hello.get('v')!r}, this worker speaks {PROTOCOL_VERSION}"
+    try:
+        hello = M.decode_hello(data)
+    except M.BadMessage as e:
+        return f"the first message must be a hello {{op: 'hello', schema: {M.SCHEMA!r}}} ({e})"
+    if hello.schema != M.SCHEMA:
+        return (f"client speaks worker protocol schema {hello.schema!r}, this worker speaks {M.SCHEMA!r} "
+                "(run client and worker from the same tinker-pipelines version)")
     return ""
+
+
+def _op(item: _Item) -> Op | None:
+    return None if item.request is None else M.op_of(item.request)
+
+
+def _label(item: _Item) -> str:
+    """How a cycle's trace names a request: op:adapter."""
+    r = item.request
+    if r is None:
+        return "disconnected:"
+    return f"{M.op_of(r).value}:{r.adapter if isinstance(r, M.AdapterRequest) else getattr(r, 'name', '')}"
+
+
+def _engine_call(r: M.Request) -> dict[str, Any]:
+    """A batched request as `Engine.sample` / `forward_backward` take it."""
+    call = msgspec.structs.asdict(r)
+    if isinstance(r, M.ForwardBackward):
+        call["datums"] = M.datums_of(r.datums)
+    return call
+
+
+def _reply(op: Op, out: dict[str, Any]) -> M.Reply:
+    """The reply struct of an `Engine` batched call's result."""
+    if op == Op.SAMPLE:
+        return M.SampleReply([Sample(tuple(t), tuple(lp), r, s, tuple(n)) for t, lp, r, s, n in out["samples"]],
+                             out["generator_state"])
+    return M.ForwardBackwardReply(out["metrics"])
 
 
 def _cut(conn) -> None:
@@ -363,9 +412,9 @@ def listening(path: Path) -> bool:
             return False
 
 
-def _send(conn, message: Any) -> bool:
+def _send(conn, message: M.Reply) -> bool:
     try:
-        conn.send(message)
+        conn.send_bytes(M.encode(message))  # msgpack: `conn.send` would pickle
         return True
     except (OSError, ValueError):
         return False

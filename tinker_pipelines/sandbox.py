@@ -408,7 +408,7 @@ def _supervise(launch: _Run, stdin: str, timeout_s: float, cap: int) -> SandboxR
                 if pidfd is None and io.child_pid is not None:
                     pidfd = _pidfd_of_child(io.child_pid, proc.pid)
             timed_out = io.open(status_r)
-            _shut_down(proc, pidfd, kill=timed_out)
+            _shut_down(proc, pidfd, kill=timed_out, bubblewrap=launch.bubblewrap)
             drain_until = time.monotonic() + 1.0  # all dead by now: only buffered output left
             while (io.open(io.out) or io.open(io.err)) and time.monotonic() < drain_until:
                 io.pump(drain_until)
@@ -437,11 +437,15 @@ def _pidfd_of_child(pid: int, parent: int) -> int | None:
     return fd
 
 
-def _shut_down(proc: subprocess.Popen[bytes], pidfd: int | None, *, kill: bool) -> None:
+def _shut_down(proc: subprocess.Popen[bytes], pidfd: int | None, *, kill: bool, bubblewrap: bool) -> None:
     """Kill whatever is left of the run and wait until its PID namespace is gone."""
     if kill and pidfd is not None:  # the namespace's PID 1: the kernel kills every process in it
         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):  # bwrap itself; without bubblewrap, the init's group
+    if bubblewrap and (pidfd is not None or not kill):
+        # bwrap reaps its child, then exits: killing it first would leave that child a zombie.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5.0)
+    with contextlib.suppress(ProcessLookupError):  # a backstop; without bubblewrap, the init's group
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     if pidfd is not None:

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import shutil
 import textwrap
 import time
 from pathlib import Path
@@ -525,3 +526,19 @@ def test_require_names_only_known_layers() -> None:
     with pytest.raises(ValueError, match="unknown layer"):
         run_python("pass", require=["seccomp"])
     assert run("print(1)", require=()).stdout == "1\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="this file is running unprivileged already")
+def test_the_suite_passes_as_an_unprivileged_user() -> None:
+    from tests.unprivileged import run_as_unprivileged, world_readable_copy
+
+    copy = world_readable_copy(["test_sandbox.py"])
+    try:
+        done = run_as_unprivileged(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                                    "tests/test_sandbox.py"], copy)
+    finally:
+        shutil.rmtree(copy)
+    summary = done.stdout.strip().splitlines()[-1]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    # Every test ran as the user, with every layer: only this one, which needs root, is skipped.
+    assert "1 skipped" in summary and "failed" not in summary and "error" not in summary, done.stdout[-3000:]

@@ -256,6 +256,32 @@ def test_memory_bomb_is_contained() -> None:
     assert "MemoryError" in r.stderr
 
 
+def test_a_huge_allocation_and_300_forks_are_refused_and_the_program_goes_on() -> None:
+    r = run("""
+        import os, time
+        try:
+            bytearray(8 << 30)
+            print("ALLOCATED")
+        except MemoryError:
+            print("NO 8 GiB")
+        children, refused = [], 0
+        for _ in range(300):
+            try:
+                pid = os.fork()
+            except BlockingIOError:
+                refused += 1
+                continue
+            if pid == 0:
+                time.sleep(0.5)
+                os._exit(0)
+            children.append(pid)
+        for pid in children:
+            os.waitpid(pid, 0)
+        print(len(children) < 32, refused > 268)
+    """)
+    assert r.stdout == "NO 8 GiB\nTrue True\n" and r.exit_code == 0, (r.stdout, r.stderr)
+
+
 def test_infinite_loop_is_killed_at_the_time_limit() -> None:
     r = run("while True:\n    pass", timeout_s=1.0)
     assert r.timed_out and r.exit_code is None and r.killed_signal is None

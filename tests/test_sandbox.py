@@ -30,8 +30,7 @@ from pathlib import Path
 import pytest
 
 from tinker_pipelines import sandbox_seccomp
-from tinker_pipelines.sandbox import (LAYERS, SANDBOX_UID, SandboxResult, SandboxUnavailable, missing_layers,
-                                      run_python, userns_blockers)
+from tinker_pipelines.sandbox import LAYERS, SANDBOX_UID, SandboxResult, missing_layers, run_python, userns_blockers
 
 REPO = Path(__file__).resolve().parents[1]
 

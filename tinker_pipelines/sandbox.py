@@ -456,8 +456,8 @@ def _setup_failure(bwrap_said: str, required: tuple[str, ...]) -> SandboxUnavail
     said = " ".join(bwrap_said.split())[:500]
     if "namespace" in said or "uid map" in said or "uid_map" in said:
         blockers = userns_blockers()
-        why = (f"this user may not create user namespaces ({'; '.join(blockers) if blockers else 'no kernel setting forbids them here, so an LSM or a container seccomp profile does'}); "
-               f"bwrap said: {said}")
+        by = "; ".join(blockers) or "no kernel setting forbids them here, so an LSM or a container seccomp profile does"
+        why = f"this user may not create user namespaces ({by}); bwrap said: {said}"
         fix = ("allow unprivileged user namespaces (" + "; ".join(fix for _, _, fix in _USERNS_SETTINGS)
                + "), or in a container, a seccomp profile that allows unshare and clone of user namespaces")
         return UserNamespacesForbidden({layer: why for layer in required}, fix)

@@ -1,6 +1,6 @@
 """Tools: schemas from typed functions, the tag format, errors as observations, the built-ins."""
 
-import ctypes
+import shutil
 import json
 import os
 import subprocess
@@ -170,16 +170,8 @@ def test_a_refusal_during_an_episode_is_never_shown_to_the_model(monkeypatch):
         checked_step(env, call)
 
 
-def _drop_isolation_caps() -> None:
-    """preexec_fn: no CAP_SYS_ADMIN (namespaces), CAP_SETUID or CAP_SETGID (uid drop) ever again."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (21, 7, 6):
-        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-            raise OSError(ctypes.get_errno(), f"PR_CAPBSET_DROP {cap}")
-
-
 def test_python_tool_without_isolation_refuses_and_runs_nothing():
-    """For real: a child process that can never set up a layer; as non-root none is possible anyway."""
+    """For real: a child process without bubblewrap on its PATH, so no layer can be set up."""
     box = Path(tempfile.mkdtemp(prefix="tool-refusal-"))
     box.chmod(0o1777)
     marker = box / "ran"
@@ -199,25 +191,27 @@ def test_python_tool_without_isolation_refuses_and_runs_nothing():
                 out[what] = exc.missing
         print(json.dumps(out))
     """)
-    env = {k: v for k, v in os.environ.items() if k != T.TRUSTED_ENV}
-    preexec = _drop_isolation_caps if os.geteuid() == 0 else None
+    no_bwrap = Path(tempfile.mkdtemp(prefix="no-bwrap-"))
+    env = {**{k: v for k, v in os.environ.items() if k != T.TRUSTED_ENV}, "PATH": str(no_bwrap),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
 
     def child(**extra: str) -> dict:
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                              env={**env, **extra}, preexec_fn=preexec)
+                              env={**env, **extra})
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
 
     try:
         refused = child()
         assert set(refused["build"]) == set(refused["call"]) == set(sandbox.LAYERS), refused
-        assert refused["call"]["network_isolated"].startswith("unshare(CLONE_NEWNET): ")
+        assert refused["call"]["network_isolated"].startswith("bubblewrap (bwrap) is not installed")
         assert not marker.exists()
         trusted = child(**{T.TRUSTED_ENV: "1"})  # the same call, opted out: it runs, so the check above can fail
         assert trusted["call"] == "True" and marker.exists()
     finally:
         marker.unlink(missing_ok=True)
         box.rmdir()
+        no_bwrap.rmdir()
 
 
 def test_tool_env_turns_and_errors():
@@ -258,3 +252,42 @@ def test_sft_examples_are_consistent():
             a, b = messages[-1]["content"][8:-1].split(" * ")
             assert reply == format_tool_call("calculator", {"expression": f"{a} * {b}"})
     assert Fraction(calculator("6/4")) == Fraction(3, 2)
+
+
+_TOOLS_RUN = """
+import json, tempfile
+from tinker_pipelines.config import config_from_dict
+from tinker_pipelines.envs.tool_env import MultiplyEnv
+from tinker_pipelines.envs.tools import format_tool_call
+from tinker_pipelines.loops.train import train
+
+env = MultiplyEnv(tools=("calculator", "python"))  # its build runs the sandbox's preflight
+env.reset(seed=0)
+seen = env.step(format_tool_call("python", {"code": "import os; print(6 * 7, os.getuid())"})).observation
+cfg = config_from_dict({
+    "seed": 0, "output_dir": tempfile.mkdtemp(),
+    "env": {"path": "multiply_tools", "kwargs": {"tools": ["calculator", "python"]}},
+    "algorithm": {"name": "ppo", "ppo_epochs": 1},
+    "training": {"mode": "lora", "iterations": 2, "groups_per_batch": 2, "group_size": 2, "max_new_tokens": 8},
+    "eval": {"every": 2, "num_tasks": 2}})
+metrics = list(train(cfg))
+print(json.dumps({"tool": seen[0]["content"], "iterations": len(metrics)}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running unprivileged already")
+def test_tool_env_and_its_ppo_run_work_as_an_unprivileged_user():
+    """uid 65534: the python tool runs with every sandbox layer, and two PPO iterations complete."""
+    from tests.unprivileged import run_as_unprivileged, world_readable_copy
+
+    copy = world_readable_copy(["test_tools.py", "conftest.py"])
+    try:
+        run = run_as_unprivileged(["python", "-c", _TOOLS_RUN], copy)
+        suite = run_as_unprivileged(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                     "tests/test_tools.py"], copy)
+    finally:
+        shutil.rmtree(copy)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out == {"tool": "42 1000\n", "iterations": 2}  # uid 1000 inside: the sandbox's, every layer up
+    assert suite.returncode == 0 and "1 skipped" in suite.stdout.splitlines()[-1], suite.stdout[-3000:] + suite.stderr[-2000:]

@@ -5,7 +5,7 @@ zstd compression) over a real ASGI app on an in-process transport, and the app d
 way a server would: pydantic request classes from `tinker.types`, protobuf messages from
 `tinker.proto.tinker_public_pb2`. Results a server encodes with that proto module are decoded
 by the SDK's own `deserialize_proto_response`. If a new SDK changes any of this, these tests
-fail before the Tinker service does. Details: /work/notes/tinker_wire.md (kept outside the repo).
+fail before the Tinker service does.
 """
 
 from __future__ import annotations

@@ -1,0 +1,251 @@
+"""Tinker's built-in losses, as the Tinker API defines them: `cross_entropy`, `importance_sampling`,
+`ppo`, `cispo` and `dro`, selected by name with their `loss_fn_config`.
+
+These differ from `losses.py` on purpose, because a Tinker client relies on it:
+- the reduction is a plain SUM over every token of every datum (no mean, no mask other than what
+  the client put in `weights` or `advantages`); Tinker reports it as the metric `loss:sum`;
+- the inputs are a datum's `loss_fn_inputs` as Tinker names them: `target_tokens`, `weights`
+  (cross_entropy only), `logprobs` (the SAMPLING logprobs) and `advantages`, each of shape (N,).
+
+Because the loss is a sum, the datums of a request can be concatenated: every function here
+takes 1-D tensors over the N tokens of one datum or of many (`_N`), with `target_logprobs_N` the
+current model's logprobs of `target_tokens`. Half-precision logprobs are computed in fp32
+(`_compute_dtype`); fp32 and fp64 inputs are computed in their own dtype.
+
+Sources: https://tinker-docs.thinkingmachines.ai/losses (and /tinker/losses/{ppo,cispo,dro}),
+tinker-cookbook docs/losses.mdx and tutorials/202_loss_functions.py, tinker==0.38.0
+`tinker/types/loss_fn_type.py` (the names) and `training_client.py` (`loss:sum`, custom losses).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+
+Metrics = dict[str, float]
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for bf16/fp16 (exp of a bf16 log-ratio is off by ~1%), else the input's own dtype."""
+    return torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+
+
+def _up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _result(elementwise_loss_N: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+    loss = elementwise_loss_N.sum()
+    return loss, {"loss:sum": loss.item()}
+
+
+def cross_entropy(target_logprobs_N: torch.Tensor, weights_N: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+    """sum(-target_logprobs * weights). Weights may be any float: the SDK's
+    `forward_backward_custom` sends weights = -dC/dlogprobs through this loss.
+
+    >>> loss, m = cross_entropy(torch.tensor([-1.0, -2.0, -4.0]), torch.tensor([0.0, 1.0, 0.5]))
+    >>> loss.item(), m
+    (4.0, {'loss:sum': 4.0})
+    """
+    dtype = _compute_dtype(target_logprobs_N)
+    return _result(-_up(target_logprobs_N, dtype) * _up(weights_N, dtype))
+
+
+def importance_sampling(target_logprobs_N: torch.Tensor, sampling_logprobs_N: torch.Tensor,
+                        advantages_N: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+    """REINFORCE corrected for sampler/learner mismatch: sum(-exp(target - sampling) * A).
+
+    >>> loss, _ = importance_sampling(torch.tensor([0.0, -1.0]), torch.tensor([0.0, -1.0]), torch.tensor([2.0, -3.0]))
+    >>> loss.item()  # ratios 1: -(2 - 3)
+    1.0
+    """
+    dtype = _compute_dtype(target_logprobs_N)
+    prob_ratio_N = torch.exp(_up(target_logprobs_N, dtype) - _up(sampling_logprobs_N, dtype))
+    return _result(-(prob_ratio_N * _up(advantages_N, dtype)))
+
+
+def ppo(target_logprobs_N: torch.Tensor, sampling_logprobs_N: torch.Tensor, advantages_N: torch.Tensor,
+        clip_low_threshold: float, clip_high_threshold: float) -> tuple[torch.Tensor, Metrics]:
+    """sum(-min(ratio * A, clamp(ratio, clip_low_threshold, clip_high_threshold) * A)). The
+    thresholds bound the ratio itself (0.8 and 1.2 mean eps = 0.2), not an epsilon.
+
+    >>> lp = torch.tensor([math.log(1.5), math.log(0.5)]); adv = torch.tensor([1.0, -1.0])
+    >>> round(ppo(lp, torch.zeros(2), adv, 0.8, 1.2)[0].item(), 6)  # -(1.2 * 1 + 0.8 * -1)
+    -0.4
+    """
+    dtype = _compute_dtype(target_logprobs_N)
+    adv_N = _up(advantages_N, dtype)
+    prob_ratio_N = torch.exp(_up(target_logprobs_N, dtype) - _up(sampling_logprobs_N, dtype))
+    clipped_ratio_N = torch.clamp(prob_ratio_N, clip_low_threshold, clip_high_threshold)
+    return _result(-torch.min(prob_ratio_N * adv_N, clipped_ratio_N * adv_N))
+
+
+def cispo(target_logprobs_N: torch.Tensor, sampling_logprobs_N: torch.Tensor, advantages_N: torch.Tensor,
+          clip_low_threshold: float, clip_high_threshold: float) -> tuple[torch.Tensor, Metrics]:
+    """sum(-sg(clamp(ratio, low, high)) * target_logprobs * A): the clipped ratio is a constant
+    coefficient, so every token keeps a gradient of -clipped_ratio * A.
+
+    >>> lp = torch.tensor([math.log(2.0)]); loss, _ = cispo(lp, torch.zeros(1), torch.tensor([1.0]), 0.0, 1.5)
+    >>> round(loss.item(), 6) == round(-1.5 * math.log(2.0), 6)
+    True
+    """
+    dtype = _compute_dtype(target_logprobs_N)
+    target_N = _up(target_logprobs_N, dtype)
+    prob_ratio_N = torch.exp(target_N - _up(sampling_logprobs_N, dtype))
+    clipped_ratio_N = torch.clamp(prob_ratio_N, clip_low_threshold, clip_high_threshold)
+    return _result(-(clipped_ratio_N.detach() * target_N * _up(advantages_N, dtype)))
+
+
+def dro(target_logprobs_N: torch.Tensor, sampling_logprobs_N: torch.Tensor, advantages_N: torch.Tensor,
+        beta: float) -> tuple[torch.Tensor, Metrics]:
+    """sum(-(target_logprobs * A - 0.5 * beta * (target_logprobs - sampling_logprobs)^2)). The
+    quadratic term applies on every position, including those whose advantage is 0.
+
+    >>> loss, _ = dro(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([2.0]), 0.5)
+    >>> loss.item()  # -(-2 - 0.5 * 0.5 * 4)
+    3.0
+    """
+    dtype = _compute_dtype(target_logprobs_N)
+    target_N = _up(target_logprobs_N, dtype)
+    quadratic_term_N = (target_N - _up(sampling_logprobs_N, dtype)) ** 2
+    return _result(-(target_N * _up(advantages_N, dtype) - 0.5 * beta * quadratic_term_N))
+
+
+class TinkerLossError(ValueError):
+    """A request the Tinker service must refuse; `field` names what is wrong (the loss name,
+    a `loss_fn_config` key or a `loss_fn_inputs` key), for the error body the SDK surfaces."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class TinkerLossSpec:
+    """What one named Tinker loss reads and accepts."""
+
+    name: str
+    """The `loss_fn` string a client sends."""
+    fn: Callable[..., tuple[torch.Tensor, Metrics]]
+    """The loss over concatenated tokens; config values are passed as keyword arguments."""
+    inputs: tuple[str, ...]
+    """The `loss_fn_inputs` keys every datum must carry, exactly (Tinker's names)."""
+    config_defaults: Mapping[str, float | None] = field(default_factory=dict)
+    """The `loss_fn_config` keys it accepts and their defaults; None means the key is required."""
+
+
+_RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+
+TINKER_LOSSES: dict[str, TinkerLossSpec] = {
+    spec.name: spec for spec in (
+        TinkerLossSpec("cross_entropy", cross_entropy, ("target_tokens", "weights")),
+        TinkerLossSpec("importance_sampling", importance_sampling, _RL_INPUTS),
+        # ppo: "currently fixed to 0.2" in the losses doc, i.e. ratio bounds 0.8 and 1.2 (tutorial 202)
+        TinkerLossSpec("ppo", ppo, _RL_INPUTS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+        # cispo: one-sided by default (tutorial 202's current revision; earlier revisions said 0.8/1.2)
+        TinkerLossSpec("cispo", cispo, _RL_INPUTS, {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
+        # dro: Tinker documents `beta` but no default value, so a client must send it
+        TinkerLossSpec("dro", dro, _RL_INPUTS, {"beta": None}),
+    )
+}
+"""The losses this service runs, by Tinker name. Tinker's other names (`gspo`,
+`stable_reinforce`, server-side `custom`) are refused by `tinker_loss`."""
+
+
+def _supported() -> str:
+    return ", ".join(TINKER_LOSSES)
+
+
+def _number(name: str, key: str, value: object) -> float:
+    # the wire carries float | str (LossConfigValue.number / .text); bool is not a number here
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TinkerLossError(f"loss_fn_config.{key} for loss_fn {name!r} must be a finite number, got {value!r}",
+                              f"loss_fn_config.{key}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class TinkerLoss:
+    """A named Tinker loss with its validated `loss_fn_config` (defaults filled in)."""
+
+    spec: TinkerLossSpec
+    """Which loss."""
+    config: Mapping[str, float]
+    """Every config value the loss uses, the client's or the default."""
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def check_inputs(self, loss_fn_inputs: Mapping[str, torch.Tensor], datum_index: int | None = None) -> int:
+        """Check one datum's `loss_fn_inputs`: exactly the loss's keys, all 1-D of one length N,
+        `target_tokens` integer and the others floating point. Returns N."""
+        where = "" if datum_index is None else f"data[{datum_index}]."
+        missing = [k for k in self.spec.inputs if k not in loss_fn_inputs]
+        extra = sorted(k for k in loss_fn_inputs if k not in self.spec.inputs)
+        if missing or extra:
+            bad = missing[0] if missing else extra[0]
+            what = "is missing" if missing else "is not an input of this loss"
+            raise TinkerLossError(f"{where}loss_fn_inputs.{bad} {what}; loss_fn {self.name!r} takes exactly: "
+                                  f"{', '.join(self.spec.inputs)}", f"{where}loss_fn_inputs.{bad}")
+        length = None
+        for key in self.spec.inputs:
+            t = loss_fn_inputs[key]
+            integral = key == "target_tokens"
+            ok_dtype = (not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool) if integral \
+                else t.is_floating_point()
+            if t.dim() != 1 or not ok_dtype or (length is not None and t.shape[0] != length):
+                want = "int" if integral else "float"
+                raise TinkerLossError(f"{where}loss_fn_inputs.{key} must be a 1-D {want} tensor of the datum's length"
+                                      f"{'' if length is None else f' {length}'}, got {t.dtype} {tuple(t.shape)}",
+                                      f"{where}loss_fn_inputs.{key}")
+            length = t.shape[0]
+        return int(length)
+
+    def __call__(self, target_logprobs_N: torch.Tensor,
+                 loss_fn_inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
+        """The loss and Tinker's metrics over tokens whose `loss_fn_inputs` are concatenated
+        datums (checked with `check_inputs` first, per datum)."""
+        if self.name == "cross_entropy":
+            return cross_entropy(target_logprobs_N, loss_fn_inputs["weights"])
+        return self.spec.fn(target_logprobs_N, loss_fn_inputs["logprobs"], loss_fn_inputs["advantages"],
+                            **self.config)
+
+
+def tinker_loss(name: str, config: Mapping[str, float | str] | None = None) -> TinkerLoss:
+    """The Tinker loss `name` with `config` (a request's `loss_fn_config`) validated: an
+    unsupported name, an unknown key, a missing required key or a bad value raises
+    `TinkerLossError` naming it and what is allowed.
+
+    >>> tinker_loss("ppo", {"clip_high_threshold": 1.3}).config
+    {'clip_low_threshold': 0.8, 'clip_high_threshold': 1.3}
+    >>> tinker_loss("stable_reinforce")
+    Traceback (most recent call last):
+    ...
+    tinker_pipelines.algorithms.tinker_losses.TinkerLossError: loss_fn 'stable_reinforce' is not supported by this service; supported: cross_entropy, importance_sampling, ppo, cispo, dro
+    """
+    spec = TINKER_LOSSES.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise TinkerLossError(f"loss_fn {name!r} is not supported by this service; supported: {_supported()}",
+                              "loss_fn")
+    given = dict(config or {})
+    for key in given:
+        if key not in spec.config_defaults:
+            allowed = ", ".join(spec.config_defaults) or "none"
+            raise TinkerLossError(f"loss_fn_config.{key} is not a parameter of loss_fn {name!r}; allowed: {allowed}",
+                                  f"loss_fn_config.{key}")
+    values: dict[str, float] = {}
+    for key, default in spec.config_defaults.items():
+        if key not in given and default is None:
+            raise TinkerLossError(f"loss_fn_config.{key} is required for loss_fn {name!r}", f"loss_fn_config.{key}")
+        values[key] = _number(name, key, given[key]) if key in given else default
+    if "clip_low_threshold" in values and not 0 <= values["clip_low_threshold"] <= values["clip_high_threshold"]:
+        raise TinkerLossError(f"loss_fn_config.clip_low_threshold must be >= 0 and <= clip_high_threshold "
+                              f"(they bound the ratio itself), got {values['clip_low_threshold']} and "
+                              f"{values['clip_high_threshold']}", "loss_fn_config.clip_low_threshold")
+    if values.get("beta", 0.0) < 0:
+        raise TinkerLossError(f"loss_fn_config.beta must be >= 0, got {values['beta']}", "loss_fn_config.beta")
+    return TinkerLoss(spec, values)

@@ -526,7 +526,8 @@ class _DecodeRows:
                 "stop" if hit is not None or toks[j][n - 1] in self.stop_set else "length", hit, support)
 
     def by_request(self) -> list[list[Sample]]:
-        return [self.results[self.offsets[i]:self.offsets[i + 1]] for i in range(len(self.requests))]  # type: ignore[misc]
+        results, offsets = self.results, self.offsets
+        return [results[offsets[i]:offsets[i + 1]] for i in range(len(self.requests))]  # type: ignore[misc]
 
 
 class _NotHostable(Exception):

@@ -254,10 +254,10 @@ class Sampler:
         scanned = 0  # steps whose stop strings were scanned
         for t in range(M):
             tok_B = state.step(t, logits_BV, draw(state.req_live, state.row_idx))
-            if (t + 1) % check_every and t != M - 1:
+            if (t + 1) % check_every and t != M - 1:  # no host check this step: no sync
                 logits_BV = decoder.step(tok_B, t)
                 continue
-            if state.window > 3:
+            if state.has_stop_strings:
                 state.scan_stop_strings(scanned, t, self.tokenizer)
                 scanned = t + 1
             if state.check_live():
@@ -416,6 +416,7 @@ class _DecodeRows:
                 torch.tensor([requests[i].min_p for i in req_of], device=device))
         # stop strings: the decoded tail of each row that has some, scanned at every check
         self.window = max((len(x) for r in requests for x in r.stop), default=0) + 3
+        self.has_stop_strings = any(r.stop for r in requests)
         self.stop_hit: dict[int, str] = {}  # original row -> the stop string that ended it
         self.tok_BT = torch.empty((B, M), dtype=torch.long, device=device)
         self.lp_BT = torch.empty((B, M), dtype=torch.float32, device=device)

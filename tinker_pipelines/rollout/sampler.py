@@ -243,26 +243,51 @@ class Sampler:
 
     def _decode(self, requests: list[SampleRequest], decoder, fingerprint: tuple | None,
                 mixed: bool = False) -> list[list[Sample]]:
+        """Prefill every request's prompts, then decode them together until each row ends
+        (`_DecodeRows` holds the per-row state; Python looks at it every `check_every` steps)."""
         device = next(self.model.parameters()).device
+        M = max(r.max_new_tokens for r in requests)
+        logits_BV = self._prefill(requests, decoder, fingerprint, mixed, M, device)
+        state = _DecodeRows(requests, M, logits_BV.shape[-1], self.stop_token_ids, device)
+        draw = _UniformSource(requests, device, self.device_uniforms)
+        check_every = check_interval(device, self.check_every)
+        scanned = 0  # steps whose stop strings were scanned
+        for t in range(M):
+            tok_B = state.step(t, logits_BV, draw(state.req_live, state.row_idx))
+            if (t + 1) % check_every and t != M - 1:  # no host check this step: no sync
+                logits_BV = decoder.step(tok_B, t)
+                continue
+            if state.has_stop_strings:
+                state.scan_stop_strings(scanned, t, self.tokenizer)
+                scanned = t + 1
+            if state.check_live():
+                if state.n_live == 0 or t == M - 1:
+                    break
+                keep = state.prune(t)
+                if keep is not None:
+                    tok_B = state.tok_BT[:, t]
+                    decoder.select(keep)
+            if t == M - 1:
+                break
+            logits_BV = decoder.step(tok_B, t)
+        state.read_out(list(range(len(state.rows))), M)
+        return state.by_request()
+
+    def _prefill(self, requests: list[SampleRequest], decoder, fingerprint: tuple | None, mixed: bool, M: int,
+                 device: torch.device) -> torch.Tensor:
+        """Prefill the prompts of `requests` (each distinct prompt once, reusing stored or shared
+        keys/values where it can) and leave the decoder's cache with one row per prompt; returns
+        the next-token logits_BV."""
         prompts = [p for r in requests for p in r.prompts]
         req_of = [i for i, r in enumerate(requests) for _ in r.prompts]
         B = len(prompts)
-        longest = max(len(p) for p in prompts)
-        M = max(r.max_new_tokens for r in requests)
         # identical prompts (a GRPO group) are prefilled once, then their cache rows repeated
         key = [(requests[req_of[b]].adapter, tuple(p)) if mixed else tuple(p) for b, p in enumerate(prompts)]
         unique: dict = {}
         row_of = [unique.setdefault(k, len(unique)) for k in key]
         U = len(unique)
-        input_UL = torch.full((U, longest), self.pad_token_id, dtype=torch.long)
-        mask_UL = torch.zeros((U, longest), dtype=torch.long)
-        for k, i in unique.items():  # left padding keeps every row's last token aligned
-            p = k[1] if mixed else k
-            input_UL[i, longest - len(p):] = torch.tensor(p)
-            mask_UL[i, longest - len(p):] = 1
-        input_UL, mask_UL = input_UL.to(device), mask_UL.to(device)
-        positions_UL = (mask_UL.cumsum(-1) - 1).clamp_(min=0)
-
+        input_UL, mask_UL, positions_UL = _left_padded([k[1] if mixed else k for k in unique], self.pad_token_id,
+                                                       device)
         if mixed:
             names = list(dict.fromkeys(r.adapter for r in requests))
             row_adapter = [names.index(k[0]) for k in unique]
@@ -270,7 +295,6 @@ class Sampler:
                 raise _NotHostable
             store, hits = prefill_shared_prefix(decoder, [k[1] for k in unique], row_adapter, fingerprint)
             logits_BV = decoder.prefill_reusing(input_UL, mask_UL, positions_UL, M, store, hits)
-            reuse = False
         else:
             reuse = self.reuse_prompts and fingerprint is not None and decoder.fused is not None
             store = (self._store if reuse and self._store is not None and self._store.fingerprint == fingerprint
@@ -287,135 +311,7 @@ class Sampler:
             expand = torch.tensor(row_of, device=device)
             decoder.select(expand)
             logits_BV = logits_BV.index_select(0, expand)
-
-        # Per-row state lives in the current batch (live rows plus finished rows not yet pruned);
-        # outputs of a row are read out when it is pruned or at the end.
-        rows = list(range(B))  # original index of each batch row
-        offsets = [0]
-        for r in requests:
-            offsets.append(offsets[-1] + len(r.prompts))
-        temps = [r.temperature for r in requests]
-        uniform_temp = len(set(temps)) == 1
-        temp_B = torch.tensor([temps[i] for i in req_of], device=device)
-        temps32 = torch.tensor([temps[i] for i in req_of], dtype=torch.float32).tolist()  # per original row
-        maxnew_B = torch.tensor([requests[i].max_new_tokens for i in req_of], device=device)
-        req_B = torch.tensor(req_of, device=device)
-        # truncation: scalars when every request agrees (no per-step syncs), else one value per row
-        params = {(r.top_k, r.top_p, r.min_p) for r in requests}
-        trunc: tuple | None = None
-        if any(is_active(*x) for x in params):
-            trunc = next(iter(params)) if len(params) == 1 else (
-                torch.tensor([requests[i].top_k for i in req_of], device=device),
-                torch.tensor([requests[i].top_p for i in req_of], device=device),
-                torch.tensor([requests[i].min_p for i in req_of], device=device))
-        # stop strings: the decoded tail of each live row that has some, tested every step
-        window = max((len(x) for r in requests for x in r.stop), default=0) + 3
-        stop_hit: dict[int, str] = {}  # original row -> the stop string that ended it
-        tok_BT = torch.empty((B, M), dtype=torch.long, device=device)
-        lp_BT = torch.empty((B, M), dtype=torch.float32, device=device)
-        sup_BT = torch.zeros((B, M), dtype=torch.long, device=device) if trunc is not None else None
-        live_B = torch.ones(B, dtype=torch.bool, device=device)
-        end_B = maxnew_B.clone()  # tokens kept per row
-        req_live = [len(r.prompts) for r in requests]
-        stop_ids = self.stop_token_ids
-        is_stop_V = torch.zeros(logits_BV.shape[-1] + 1, dtype=torch.bool, device=device)
-        is_stop_V[[i for i in stop_ids if 0 <= i < logits_BV.shape[-1]]] = True
-        stop_set = set(stop_ids)
-        results: list[Sample | None] = [None] * B
-        row_idx = torch.arange(B, device=device)  # each batch row's column in the uniforms
-        ends_by_length = bool(maxnew_B.ne(M).any())
-
-        def read_out(idx: list[int], t_end: int) -> None:
-            toks, lps, ends = tok_BT[idx, :t_end].tolist(), lp_BT[idx, :t_end].tolist(), end_B[idx].tolist()
-            sups = sup_BT[idx, :t_end].tolist() if sup_BT is not None else None
-            for j, i in enumerate(idx):
-                n = ends[j]
-                hit = stop_hit.get(rows[i])
-                support = tuple(sups[j][:n]) if sups is not None and any(sups[j][:n]) else ()
-                results[rows[i]] = Sample(tuple(toks[j][:n]), tuple(lps[j][:n]),
-                                          "stop" if hit is not None or toks[j][n - 1] in stop_set else "length", hit,
-                                          support)
-
-        def stop_string_hits(t_from: int, t_to: int) -> None:
-            """End the rows whose text came to contain one of their stop strings at a step in
-            [t_from, t_to], at the first such step, exactly as a scan after every step would: a
-            row is tested at the steps it was live at, except one that a stop token ended (a
-            stop token wins over a stop string completed by the same token)."""
-            idx = [i for i in range(len(rows)) if requests[req_of[rows[i]]].stop]
-            if not idx:
-                return
-            lo = max(0, t_from + 1 - window)
-            toks, ends = tok_BT[idx, lo:t_to + 1].tolist(), end_B[idx].tolist()
-            windows, owners = [], []
-            for j, i in enumerate(idx):
-                for s in range(t_from, min(t_to, ends[j] - 1) + 1):
-                    if s == ends[j] - 1 and toks[j][s - lo] in stop_set:
-                        continue
-                    windows.append(toks[j][max(0, s + 1 - window) - lo:s + 1 - lo])
-                    owners.append((i, s))
-            if not windows:
-                return
-            first: dict[int, int] = {}
-            for (i, s), text in zip(owners, self.tokenizer.batch_decode(windows, skip_special_tokens=True)):
-                found = [(text.find(x), x) for x in requests[req_of[rows[i]]].stop if x in text] if i not in first else []
-                if found:
-                    stop_hit[rows[i]] = min(found)[1]
-                    first[i] = s + 1
-            if first:
-                hit = torch.tensor(list(first), device=device)
-                end_B[hit] = torch.tensor(list(first.values()), device=device)
-                live_B[hit] = False
-
-        draw = _UniformSource(requests, device, self.device_uniforms)
-        check_every = check_interval(device, self.check_every)
-        scanned, n_live = 0, B  # steps whose stop strings were scanned; live rows at the last check
-        for t in range(M):
-            u_B = draw(req_live, row_idx)
-            tok_B, lp_B, sup_B = sample_tokens(logits_BV, temps[0] if uniform_temp else temp_B, None,
-                                               u_B if u_B is not None else torch.zeros(len(rows), device=device),
-                                               **(dict(zip(("top_k", "top_p", "min_p"), trunc)) if trunc else {}),
-                                               with_support=True,
-                                               host_temperatures=None if uniform_temp else [temps32[r] for r in rows])
-            tok_BT[:, t] = tok_B
-            lp_BT[:, t] = lp_B
-            if sup_BT is not None:
-                sup_BT[:, t] = sup_B
-            # stop tokens and lengths end rows on the device; Python looks every `check_every` steps
-            done_B = is_stop_V[tok_B] & live_B if stop_ids else torch.zeros_like(live_B)
-            if ends_by_length:
-                done_B |= maxnew_B.eq(t + 1) & live_B
-            end_B = torch.where(done_B, torch.minimum(end_B, torch.full_like(end_B, t + 1)), end_B)
-            live_B &= ~done_B
-            if (t + 1) % check_every and t != M - 1:
-                logits_BV = decoder.step(tok_B, t)
-                continue
-            if window > 3:
-                stop_string_hits(scanned, t)
-                scanned = t + 1
-            live_now = int(live_B.sum())
-            finished, n_live = live_now < n_live, live_now
-            if finished:
-                req_live[:] = torch.bincount(req_B[live_B], minlength=len(requests)).tolist()
-                if n_live == 0 or t == M - 1:
-                    break
-                n_rows = live_B.shape[0]
-                if (n_rows - n_live) * 4 >= n_rows:  # prune finished rows (copies the cache)
-                    dead = (~live_B).nonzero().squeeze(1)
-                    read_out(dead.tolist(), t + 1)
-                    keep = live_B.nonzero().squeeze(1)
-                    rows = [rows[i] for i in keep.tolist()]
-                    tok_BT, lp_BT, end_B, live_B = tok_BT[keep], lp_BT[keep], end_B[keep], live_B[keep]
-                    sup_BT = sup_BT[keep] if sup_BT is not None else None
-                    temp_B, maxnew_B, req_B, row_idx = temp_B[keep], maxnew_B[keep], req_B[keep], row_idx[keep]
-                    if trunc is not None and isinstance(trunc[0], torch.Tensor):
-                        trunc = tuple(x[keep] for x in trunc)
-                    tok_B = tok_BT[:, t]
-                    decoder.select(keep)
-            if t == M - 1:
-                break
-            logits_BV = decoder.step(tok_B, t)
-        read_out(list(range(len(rows))), M)
-        return [results[offsets[i]:offsets[i + 1]] for i in range(len(requests))]  # type: ignore[misc]
+        return logits_BV
 
 
 def uniforms_on_device(device: torch.device, override: bool | None = None) -> bool:
@@ -473,6 +369,166 @@ class _UniformSource:
         if not drew:
             return None
         return torch.cat(parts).to(self.device).index_select(0, row_idx)
+
+
+def _left_padded(prompts_U: list, pad_token_id: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_UL, mask_UL, positions_UL) on `device`: left padding keeps every row's last token aligned."""
+    U, longest = len(prompts_U), max(len(p) for p in prompts_U)
+    input_UL = torch.full((U, longest), pad_token_id, dtype=torch.long)
+    mask_UL = torch.zeros((U, longest), dtype=torch.long)
+    for i, p in enumerate(prompts_U):
+        input_UL[i, longest - len(p):] = torch.tensor(p)
+        mask_UL[i, longest - len(p):] = 1
+    input_UL, mask_UL = input_UL.to(device), mask_UL.to(device)
+    return input_UL, mask_UL, (mask_UL.cumsum(-1) - 1).clamp_(min=0)
+
+
+class _DecodeRows:
+    """The decode batch's per-row state: the live rows plus finished rows not yet pruned.
+
+    Row i of every `_B` / `_BT` tensor is original row `rows[i]` (requests' prompts in order). Stop
+    tokens and lengths end rows on the device at every `step`; the host reads `live_B` only at
+    `check_live`. A row's outputs are read out into `results` when it is pruned or at the end."""
+
+    def __init__(self, requests: list[SampleRequest], M: int, vocab: int, stop_ids: list[int],
+                 device: torch.device):
+        self.requests, self.device = requests, device
+        self.req_of = req_of = [i for i, r in enumerate(requests) for _ in r.prompts]
+        B = len(req_of)
+        self.rows = list(range(B))  # original index of each batch row
+        self.offsets = [0]
+        for r in requests:
+            self.offsets.append(self.offsets[-1] + len(r.prompts))
+        temps = [r.temperature for r in requests]
+        self.temperature = temps[0] if len(set(temps)) == 1 else None  # one scalar: no per-row tensor
+        self.temp_B = torch.tensor([temps[i] for i in req_of], device=device)
+        self.temps32 = torch.tensor([temps[i] for i in req_of], dtype=torch.float32).tolist()  # per original row
+        self.maxnew_B = torch.tensor([requests[i].max_new_tokens for i in req_of], device=device)
+        self.req_B = torch.tensor(req_of, device=device)
+        # truncation: scalars when every request agrees (no per-step syncs), else one value per row
+        params = {(r.top_k, r.top_p, r.min_p) for r in requests}
+        self.trunc: tuple | None = None
+        if any(is_active(*x) for x in params):
+            self.trunc = next(iter(params)) if len(params) == 1 else (
+                torch.tensor([requests[i].top_k for i in req_of], device=device),
+                torch.tensor([requests[i].top_p for i in req_of], device=device),
+                torch.tensor([requests[i].min_p for i in req_of], device=device))
+        # stop strings: the decoded tail of each row that has some, scanned at every check
+        self.window = max((len(x) for r in requests for x in r.stop), default=0) + 3
+        self.has_stop_strings = any(r.stop for r in requests)
+        self.stop_hit: dict[int, str] = {}  # original row -> the stop string that ended it
+        self.tok_BT = torch.empty((B, M), dtype=torch.long, device=device)
+        self.lp_BT = torch.empty((B, M), dtype=torch.float32, device=device)
+        self.sup_BT = torch.zeros((B, M), dtype=torch.long, device=device) if self.trunc is not None else None
+        self.live_B = torch.ones(B, dtype=torch.bool, device=device)
+        self.end_B = self.maxnew_B.clone()  # tokens kept per row
+        self.req_live = [len(r.prompts) for r in requests]
+        self.n_live = B  # live rows at the last check
+        self.has_stop_ids = bool(stop_ids)
+        self.is_stop_V = torch.zeros(vocab + 1, dtype=torch.bool, device=device)
+        self.is_stop_V[[i for i in stop_ids if 0 <= i < vocab]] = True
+        self.stop_set = set(stop_ids)
+        self.results: list[Sample | None] = [None] * B
+        self.row_idx = torch.arange(B, device=device)  # each batch row's column in the uniforms
+        self.ends_by_length = bool(self.maxnew_B.ne(M).any())
+
+    def step(self, t: int, logits_BV: torch.Tensor, u_B: torch.Tensor | None) -> torch.Tensor:
+        """Draw step `t`'s tokens from `logits_BV`, record them, and end (on the device) the rows
+        that drew a stop token or reached their length; returns tok_B."""
+        uniform_temp = self.temperature is not None
+        tok_B, lp_B, sup_B = sample_tokens(
+            logits_BV, self.temperature if uniform_temp else self.temp_B, None,
+            u_B if u_B is not None else torch.zeros(len(self.rows), device=self.device),
+            **(dict(zip(("top_k", "top_p", "min_p"), self.trunc)) if self.trunc else {}),
+            with_support=True, host_temperatures=None if uniform_temp else [self.temps32[r] for r in self.rows])
+        self.tok_BT[:, t] = tok_B
+        self.lp_BT[:, t] = lp_B
+        if self.sup_BT is not None:
+            self.sup_BT[:, t] = sup_B
+        live_B = self.live_B
+        done_B = self.is_stop_V[tok_B] & live_B if self.has_stop_ids else torch.zeros_like(live_B)
+        if self.ends_by_length:
+            done_B |= self.maxnew_B.eq(t + 1) & live_B
+        self.end_B = torch.where(done_B, torch.minimum(self.end_B, torch.full_like(self.end_B, t + 1)), self.end_B)
+        self.live_B &= ~done_B
+        return tok_B
+
+    def check_live(self) -> bool:
+        """Count the live rows (a host sync); whether some finished since the last check (then
+        `req_live` is brought up to date)."""
+        live_now = int(self.live_B.sum())
+        finished, self.n_live = live_now < self.n_live, live_now
+        if finished:
+            self.req_live[:] = torch.bincount(self.req_B[self.live_B], minlength=len(self.requests)).tolist()
+        return finished
+
+    def prune(self, t: int) -> torch.Tensor | None:
+        """Once a quarter of the batch has finished, read out the finished rows and drop them from
+        the state; returns the kept batch rows (the caller drops them from the cache), or None."""
+        n_rows = self.live_B.shape[0]
+        if (n_rows - self.n_live) * 4 < n_rows:  # pruning copies the cache: batch it
+            return None
+        dead = (~self.live_B).nonzero().squeeze(1)
+        self.read_out(dead.tolist(), t + 1)
+        keep = self.live_B.nonzero().squeeze(1)
+        self.rows = [self.rows[i] for i in keep.tolist()]
+        self.tok_BT, self.lp_BT, self.end_B, self.live_B = (self.tok_BT[keep], self.lp_BT[keep], self.end_B[keep],
+                                                            self.live_B[keep])
+        self.sup_BT = self.sup_BT[keep] if self.sup_BT is not None else None
+        self.temp_B, self.maxnew_B, self.req_B, self.row_idx = (self.temp_B[keep], self.maxnew_B[keep],
+                                                                self.req_B[keep], self.row_idx[keep])
+        if self.trunc is not None and isinstance(self.trunc[0], torch.Tensor):
+            self.trunc = tuple(x[keep] for x in self.trunc)
+        return keep
+
+    def scan_stop_strings(self, t_from: int, t_to: int, tokenizer: PreTrainedTokenizerBase) -> None:
+        """End the rows whose text came to contain one of their stop strings at a step in
+        [t_from, t_to], at the first such step, exactly as a scan after every step would: a
+        row is tested at the steps it was live at, except one that a stop token ended (a
+        stop token wins over a stop string completed by the same token)."""
+        rows, requests, req_of, window = self.rows, self.requests, self.req_of, self.window
+        idx = [i for i in range(len(rows)) if requests[req_of[rows[i]]].stop]
+        if not idx:
+            return
+        lo = max(0, t_from + 1 - window)
+        toks, ends = self.tok_BT[idx, lo:t_to + 1].tolist(), self.end_B[idx].tolist()
+        windows, owners = [], []
+        for j, i in enumerate(idx):
+            for s in range(t_from, min(t_to, ends[j] - 1) + 1):
+                if s == ends[j] - 1 and toks[j][s - lo] in self.stop_set:
+                    continue
+                windows.append(toks[j][max(0, s + 1 - window) - lo:s + 1 - lo])
+                owners.append((i, s))
+        if not windows:
+            return
+        first: dict[int, int] = {}
+        for (i, s), text in zip(owners, tokenizer.batch_decode(windows, skip_special_tokens=True)):
+            found = [(text.find(x), x) for x in requests[req_of[rows[i]]].stop if x in text] if i not in first else []
+            if found:
+                self.stop_hit[rows[i]] = min(found)[1]
+                first[i] = s + 1
+        if first:
+            hit = torch.tensor(list(first), device=self.device)
+            self.end_B[hit] = torch.tensor(list(first.values()), device=self.device)
+            self.live_B[hit] = False
+
+    def read_out(self, idx: list[int], t_end: int) -> None:
+        """Move batch rows `idx` (tokens up to step `t_end`) into `results` as Samples."""
+        toks, lps = self.tok_BT[idx, :t_end].tolist(), self.lp_BT[idx, :t_end].tolist()
+        ends = self.end_B[idx].tolist()
+        sups = self.sup_BT[idx, :t_end].tolist() if self.sup_BT is not None else None
+        for j, i in enumerate(idx):
+            n = ends[j]
+            hit = self.stop_hit.get(self.rows[i])
+            support = tuple(sups[j][:n]) if sups is not None and any(sups[j][:n]) else ()
+            self.results[self.rows[i]] = Sample(
+                tuple(toks[j][:n]), tuple(lps[j][:n]),
+                "stop" if hit is not None or toks[j][n - 1] in self.stop_set else "length", hit, support)
+
+    def by_request(self) -> list[list[Sample]]:
+        results, offsets = self.results, self.offsets
+        return [results[offsets[i]:offsets[i + 1]] for i in range(len(self.requests))]  # type: ignore[misc]
 
 
 class _NotHostable(Exception):

@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import torch
 from fastapi import FastAPI, Request
@@ -122,194 +122,267 @@ class Server:
         return (text[: min(cuts)], True) if cuts else (text, False)
 
 
-def build_app(server: Server):
-    """The FastAPI app over `server`."""
+def build_app(server: Server) -> FastAPI:
+    """The FastAPI app over `server` (every route finds it as `request.app.state.server`)."""
     app = FastAPI(title="tinker-pipelines OpenAI-compatible endpoint")
     app.state.server = server
+    app.add_exception_handler(ServingError, _serving_error)
+    app.add_exception_handler(404, _no_route)
+    app.add_exception_handler(405, _no_method)
+    app.add_exception_handler(Exception, _internal)
+    # name=: the OpenAPI operation ids and summaries (`chat_v1_chat_completions_post`, "Chat") clients see
+    app.get("/v1/models", name="models")(_models)
+    app.get("/v1/models/{model:path}", name="model")(_model)
+    app.get("/health", name="health")(_health)
+    app.post("/v1/completions", name="completions")(_completions)
+    app.post("/v1/chat/completions", name="chat")(_chat)
+    return app
 
-    @app.exception_handler(ServingError)
-    async def _serving_error(_req, e: ServingError):
-        return JSONResponse(e.body(), status_code=e.status)
 
-    @app.exception_handler(404)
-    async def _no_route(req, _e):
-        return JSONResponse(ServingError(404, f"Invalid URL ({req.method} {req.url.path})").body(), status_code=404)
+# -- errors: every one in OpenAI's error shape ----------------------------------------------
+async def _serving_error(_req: Request, e: ServingError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
 
-    @app.exception_handler(405)
-    async def _no_method(req, _e):
-        return JSONResponse(ServingError(405, f"Method {req.method} is not allowed on {req.url.path}").body(),
-                            status_code=405)
 
-    @app.exception_handler(Exception)
-    async def _internal(_req, e: Exception):
-        msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        return JSONResponse(ServingError(500, msg, "server_error").body(), status_code=500)
+async def _no_route(req: Request, _e: Exception) -> JSONResponse:
+    return JSONResponse(ServingError(404, f"Invalid URL ({req.method} {req.url.path})").body(), status_code=404)
 
-    async def body_of(req: Request, allowed: set[str]) -> tuple[dict, P.Params]:
-        raw = await req.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad_request(f"We could not parse the JSON body of your request ({e}). The body must be one JSON "
-                              "object.", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise bad_request("the request body must be a JSON object", code="invalid_json")
-        return body, P.check_params(body, allowed, server.max_context)
 
-    @app.get("/v1/models")
-    async def models():
-        data = [server.card(server.base_name)] + [server.card(k, v) for k, (_, v) in list(server.cache.loaded.items())]
-        return {"object": "list", "data": data}
+async def _no_method(req: Request, _e: Exception) -> JSONResponse:
+    return JSONResponse(ServingError(405, f"Method {req.method} is not allowed on {req.url.path}").body(),
+                        status_code=405)
 
-    @app.get("/v1/models/{model:path}")
-    async def model(model: str):
-        adapter, key, v = await server.acquire(model)
-        server.release(key)
-        return server.card(key or server.base_name, v)
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "active_requests": server.active, "loaded": list(server.cache.loaded),
-                "batches": server.backend.batches}
+async def _internal(_req: Request, e: Exception) -> JSONResponse:
+    msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return JSONResponse(ServingError(500, msg, "server_error").body(), status_code=500)
 
-    @app.post("/v1/completions")
-    async def completions(req: Request):
-        body, params = await body_of(req, P.COMPLETIONS)
-        for key, default in (("echo", False), ("best_of", 1), ("suffix", None)):
-            if body.get(key, default) not in (default, None):
-                raise bad_request(f"{key} is not supported by this endpoint", key)
-        if body.get("logprobs") not in (None, 0):
-            raise bad_request("logprobs: only 0 (the sampled token's logprob) is supported", "logprobs")
-        prompts = P.completion_prompts(body, server.tokenizer)
-        max_tokens = server.check_lengths(prompts, params, "prompt")
-        as_ids = bool(body.get("return_tokens_as_token_ids"))
-        return await respond(body, params, "text_completion", [p for p in prompts for _ in range(params.n)],
-                             max_tokens, lambda s, i: _text_choice(server, s, i, body.get("logprobs") == 0, as_ids,
-                                                                   params.extra.get("stop", ())), tools=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat(req: Request):
-        body, params = await body_of(req, P.CHAT)
-        if body.get("response_format") not in (None, {"type": "text"}):
-            raise bad_request("response_format: only {type: text} is supported", "response_format")
-        if body.get("tool_choice") not in (None, "auto", "none"):
-            raise bad_request("tool_choice: only 'auto' and 'none' are supported", "tool_choice")
-        if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
-            raise bad_request(f"logprobs must be a boolean, got {body['logprobs']!r}", "logprobs")
-        if body.get("top_logprobs") not in (None, 0):
-            raise bad_request("top_logprobs: only 0 is supported (each sampled token's own logprob is returned "
-                              "with logprobs: true)", "top_logprobs")
-        messages = P.chat_messages(body)
-        tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
-        kwargs = {"tools": body["tools"]} if body.get("tools") else {}
-        try:
-            text = server.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs) \
-                if kwargs else render_chat(server.tokenizer, messages)
-        except Exception as e:  # a template that refuses these messages (e.g. roles out of order)
-            raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
-        prompt = server.tokenizer.encode(text, add_special_tokens=False)
-        max_tokens = server.check_lengths([prompt], params, "messages")
-        want_lp = bool(body.get("logprobs"))
-        return await respond(body, params, "chat.completion", [prompt] * params.n, max_tokens,
-                             lambda s, i: _chat_choice(server, s, i, tools, want_lp, params.extra.get("stop", ())),
-                             tools=tools)
+# -- routes ---------------------------------------------------------------------------------
+def _server_of(req: Request) -> Server:
+    return req.app.state.server
 
-    async def respond(body, params: P.Params, kind: str, prompts, max_tokens, choice, tools: bool):
-        model = body["model"]
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        adapter, key, _ = await server.acquire(model)  # held until released below: nothing may fail in between
-        if not params.stream:
-            try:
-                async with server.slots():
-                    server.active += 1
-                    try:
-                        samples = await server.sample(adapter, prompts, max_tokens, params.temperature, gen, params.extra)
-                    finally:
-                        server.active -= 1
-            finally:
-                server.release(key)
-            out = P.envelope(kind, P.new_id("chatcmpl" if kind == "chat.completion" else "cmpl"), model)
-            out["choices"] = [choice(s, i) for i, s in enumerate(samples)]
-            out["usage"] = P.usage(sum(len(p) for p in prompts[:: params.n]), sum(len(s.tokens) for s in samples))
-            return out
-        return StreamingResponse(stream(model, adapter, key, kind, prompts, max_tokens, params, gen, tools),
-                                 media_type="text/event-stream")
 
-    async def stream(model, adapter, key, kind, prompts, max_tokens, params: P.Params, gen, tools: bool) -> AsyncIterator[str]:
-        chat_kind = kind == "chat.completion"
-        base = P.envelope("chat.completion.chunk" if chat_kind else "text_completion",
-                          P.new_id("chatcmpl" if chat_kind else "cmpl"), model)
+async def _models(req: Request):
+    server = _server_of(req)
+    data = [server.card(server.base_name)] + [server.card(k, v) for k, (_, v) in list(server.cache.loaded.items())]
+    return {"object": "list", "data": data}
 
-        def chunk(choices: list, usage: dict | None = None) -> str:
-            obj = {**base, "choices": choices}
-            if params.include_usage:
-                obj["usage"] = usage
-            return f"data: {json.dumps(obj)}\n\n"
 
-        def piece(i: int, text: str | None, finish: str | None, role: bool = False) -> dict:
-            if not chat_kind:
-                return {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+async def _model(model: str, req: Request):
+    server = _server_of(req)
+    adapter, key, v = await server.acquire(model)
+    server.release(key)
+    return server.card(key or server.base_name, v)
 
-        stops = params.extra.get("stop", ())
-        tokens = [[] for _ in prompts]
-        sent = ["" for _ in prompts]
-        finish: list[str | None] = [None for _ in prompts]
+
+async def _health(req: Request):
+    server = _server_of(req)
+    return {"status": "ok", "active_requests": server.active, "loaded": list(server.cache.loaded),
+            "batches": server.backend.batches}
+
+
+async def _completions(req: Request):
+    server = _server_of(req)
+    body, params = await _body_of(server, req, P.COMPLETIONS)
+    for key, default in (("echo", False), ("best_of", 1), ("suffix", None)):
+        if body.get(key, default) not in (default, None):
+            raise bad_request(f"{key} is not supported by this endpoint", key)
+    if body.get("logprobs") not in (None, 0):
+        raise bad_request("logprobs: only 0 (the sampled token's logprob) is supported", "logprobs")
+    prompts = P.completion_prompts(body, server.tokenizer)
+    max_tokens = server.check_lengths(prompts, params, "prompt")
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+    return await _respond(server, body, params, "text_completion", [p for p in prompts for _ in range(params.n)],
+                          max_tokens, lambda s, i: _text_choice(server, s, i, body.get("logprobs") == 0, as_ids,
+                                                                params.extra.get("stop", ())), tools=False)
+
+
+async def _chat(req: Request):
+    server = _server_of(req)
+    body, params = await _body_of(server, req, P.CHAT)
+    _check_chat_fields(body)
+    messages = P.chat_messages(body)
+    tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
+    prompt = _chat_prompt(server, messages, body.get("tools"))
+    max_tokens = server.check_lengths([prompt], params, "messages")
+    want_lp = bool(body.get("logprobs"))
+    return await _respond(server, body, params, "chat.completion", [prompt] * params.n, max_tokens,
+                          lambda s, i: _chat_choice(server, s, i, tools, want_lp, params.extra.get("stop", ())),
+                          tools=tools)
+
+
+async def _body_of(server: Server, req: Request, allowed: set[str]) -> tuple[dict, P.Params]:
+    """The request's JSON object and its checked sampling parameters; 400 for anything else."""
+    raw = await req.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"We could not parse the JSON body of your request ({e}). The body must be one JSON "
+                          "object.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    return body, P.check_params(body, allowed, server.max_context)
+
+
+def _check_chat_fields(body: dict) -> None:
+    """400 naming a chat field this endpoint does not support in the value given."""
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise bad_request("response_format: only {type: text} is supported", "response_format")
+    if body.get("tool_choice") not in (None, "auto", "none"):
+        raise bad_request("tool_choice: only 'auto' and 'none' are supported", "tool_choice")
+    if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
+        raise bad_request(f"logprobs must be a boolean, got {body['logprobs']!r}", "logprobs")
+    if body.get("top_logprobs") not in (None, 0):
+        raise bad_request("top_logprobs: only 0 is supported (each sampled token's own logprob is returned "
+                          "with logprobs: true)", "top_logprobs")
+
+
+def _chat_prompt(server: Server, messages: list, tools: Any) -> list[int]:
+    """The prompt's tokens: `messages` (and `tools` where given) through the chat template."""
+    kwargs = {"tools": tools} if tools else {}
+    try:
+        text = server.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs) \
+            if kwargs else render_chat(server.tokenizer, messages)
+    except Exception as e:  # a template that refuses these messages (e.g. roles out of order)
+        raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
+    return server.tokenizer.encode(text, add_special_tokens=False)
+
+
+async def _respond(server: Server, body: dict, params: P.Params, kind: str, prompts: list[list[int]],
+                   max_tokens: int, choice: Callable[[Sample, int], dict], tools: bool):
+    """The whole reply as one object, or a `_Stream` of server-sent events (`params.stream`)."""
+    model = body["model"]
+    gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    adapter, key, _ = await server.acquire(model)  # held until released below: nothing may fail in between
+    if not params.stream:
         try:
             async with server.slots():
                 server.active += 1
                 try:
-                    if chat_kind:
-                        yield chunk([piece(i, None, None, role=True) for i in range(len(prompts))])
-                    while live := [i for i in range(len(prompts)) if finish[i] is None]:
-                        step = min(server.stream_tokens, max_tokens - len(tokens[live[0]]))
-                        out = await server.sample(adapter, [prompts[i] + tokens[i] for i in live], step,
-                                                  params.temperature, gen, params.extra)
-                        pieces = []
-                        for i, s in zip(live, out):
-                            tokens[i] += s.tokens
-                            text, stopped = server.text(tokens[i], stops)  # a stop string may span segments
-                            if s.stop_reason == "stop" or stopped or len(tokens[i]) >= max_tokens:
-                                finish[i] = "stop" if s.stop_reason == "stop" or stopped else "length"
-                            if finish[i] is None:  # hold back half a character and a possible stop string's start
-                                text = _hold_back(text, stops)
-                            if not tools and text[len(sent[i]):]:
-                                pieces.append(piece(i, text[len(sent[i]):], None))
-                                sent[i] = text
-                        if pieces:
-                            yield chunk(pieces)
-                    final = []
-                    for i in range(len(prompts)):
-                        text, _ = server.text(tokens[i], stops)
-                        if tools:  # a tool call is known only once the reply is complete
-                            content, calls = P.tool_message(text)
-                            if calls:
-                                finish[i] = "tool_calls"
-                                delta = {"content": content} if content else {}
-                                delta["tool_calls"] = [{**c, "index": j} for j, c in enumerate(calls)]
-                                final.append({"index": i, "delta": delta, "logprobs": None, "finish_reason": "tool_calls"})
-                                continue
-                            if text:
-                                final.append(piece(i, text, None))
-                        elif text[len(sent[i]):]:
-                            final.append(piece(i, text[len(sent[i]):], None))
-                        final.append(piece(i, None, finish[i]))
-                    yield chunk(final)
-                    if params.include_usage:
-                        n_prompt = sum(len(p) for p in prompts[:: params.n])
-                        yield f"data: {json.dumps({**base, 'choices': [], 'usage': P.usage(n_prompt, sum(map(len, tokens)))})}\n\n"
+                    samples = await server.sample(adapter, prompts, max_tokens, params.temperature, gen, params.extra)
+                finally:
+                    server.active -= 1
+        finally:
+            server.release(key)
+        out = P.envelope(kind, P.new_id("chatcmpl" if kind == "chat.completion" else "cmpl"), model)
+        out["choices"] = [choice(s, i) for i, s in enumerate(samples)]
+        out["usage"] = P.usage(sum(len(p) for p in prompts[:: params.n]), sum(len(s.tokens) for s in samples))
+        return out
+    stream = _Stream(server, model, adapter, key, kind, prompts, max_tokens, params, gen, tools)
+    return StreamingResponse(stream.events(), media_type="text/event-stream")
+
+
+# -- streaming ------------------------------------------------------------------------------
+@dataclass
+class _Stream:
+    """One streamed reply: decoded in segments of `server.stream_tokens`, each one backend request.
+
+    Holds the adapter `key` from `Server.acquire` and releases it when `events` ends, however it
+    ends (finished, failed, or the client went away)."""
+
+    server: Server
+    model: str
+    adapter: str
+    key: str | None
+    kind: str
+    prompts: list[list[int]]
+    max_tokens: int
+    params: P.Params
+    gen: torch.Generator | None
+    tools: bool
+
+    def __post_init__(self) -> None:
+        self.chat = self.kind == "chat.completion"
+        self.stops: tuple[str, ...] = self.params.extra.get("stop", ())
+        self.tokens: list[list[int]] = [[] for _ in self.prompts]
+        self.sent = ["" for _ in self.prompts]
+        """Text each choice has streamed so far."""
+        self.finish: list[str | None] = [None for _ in self.prompts]
+        self.base: dict[str, Any] = {}
+
+    async def events(self) -> AsyncIterator[str]:
+        """The server-sent events: a role chunk (chat), content chunks, the finish chunk, usage
+        (`include_usage`), `[DONE]`; an error after the headers went out travels as an event."""
+        server, n = self.server, len(self.prompts)
+        self.base = P.envelope("chat.completion.chunk" if self.chat else "text_completion",
+                               P.new_id("chatcmpl" if self.chat else "cmpl"), self.model)
+        try:
+            async with server.slots():
+                server.active += 1
+                try:
+                    if self.chat:
+                        yield self.chunk([self.piece(i, None, None, role=True) for i in range(n)])
+                    while live := [i for i in range(n) if self.finish[i] is None]:
+                        if pieces := await self.segment(live):
+                            yield self.chunk(pieces)
+                    yield self.chunk(self.final_pieces())
+                    if self.params.include_usage:
+                        n_prompt = sum(len(p) for p in self.prompts[:: self.params.n])
+                        usage = P.usage(n_prompt, sum(map(len, self.tokens)))
+                        yield f"data: {json.dumps({**self.base, 'choices': [], 'usage': usage})}\n\n"
                     yield "data: [DONE]\n\n"
                 finally:
                     server.active -= 1
-        except ServingError as e:  # after the headers went out an error travels as an event
+        except ServingError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         except ValueError as e:
             yield f"data: {json.dumps(bad_request(str(e)).body())}\n\n"
         finally:
-            server.release(key)
+            server.release(self.key)
 
-    return app
+    async def segment(self, live: list[int]) -> list[dict]:
+        """Decode the next segment of the `live` choices (one backend request); the pieces of text
+        that are now final."""
+        server = self.server
+        step = min(server.stream_tokens, self.max_tokens - len(self.tokens[live[0]]))
+        out = await server.sample(self.adapter, [self.prompts[i] + self.tokens[i] for i in live], step,
+                                  self.params.temperature, self.gen, self.params.extra)
+        pieces = []
+        for i, s in zip(live, out):
+            self.tokens[i] += s.tokens
+            text, stopped = server.text(self.tokens[i], self.stops)  # a stop string may span segments
+            if s.stop_reason == "stop" or stopped or len(self.tokens[i]) >= self.max_tokens:
+                self.finish[i] = "stop" if s.stop_reason == "stop" or stopped else "length"
+            if self.finish[i] is None:  # hold back half a character and a possible stop string's start
+                text = _hold_back(text, self.stops)
+            if not self.tools and text[len(self.sent[i]):]:
+                pieces.append(self.piece(i, text[len(self.sent[i]):], None))
+                self.sent[i] = text
+        return pieces
+
+    def final_pieces(self) -> list[dict]:
+        """Each choice's rest of text (all of it with tools: a tool call is known only once the
+        reply is complete) and its finish reason."""
+        final = []
+        for i in range(len(self.prompts)):
+            text, _ = self.server.text(self.tokens[i], self.stops)
+            if self.tools:
+                content, calls = P.tool_message(text)
+                if calls:
+                    self.finish[i] = "tool_calls"
+                    delta = {"content": content} if content else {}
+                    delta["tool_calls"] = [{**c, "index": j} for j, c in enumerate(calls)]
+                    final.append({"index": i, "delta": delta, "logprobs": None, "finish_reason": "tool_calls"})
+                    continue
+                if text:
+                    final.append(self.piece(i, text, None))
+            elif text[len(self.sent[i]):]:
+                final.append(self.piece(i, text[len(self.sent[i]):], None))
+            final.append(self.piece(i, None, self.finish[i]))
+        return final
+
+    def chunk(self, choices: list, usage: dict | None = None) -> str:
+        obj = {**self.base, "choices": choices}
+        if self.params.include_usage:
+            obj["usage"] = usage
+        return f"data: {json.dumps(obj)}\n\n"
+
+    def piece(self, i: int, text: str | None, finish: str | None, role: bool = False) -> dict:
+        if not self.chat:
+            return {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
 
 
 def _hold_back(text: str, stops: tuple[str, ...]) -> str:

@@ -93,13 +93,36 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, base: str | Path 
 
     `base` is the warm-started base directory the checkpoint was trained on (required when its
     record names one; checked against the recorded content hash). Loads in fp32 on `device`."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tinker_pipelines.loops.experiment import Experiment
-    from tinker_pipelines.models import base_identity, load_model
+    from tinker_pipelines.models import base_identity
 
     out = Path(out)
+    record, cfg, wanted = _check_source(checkpoint, out, base)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device=device, dtype="float32"))
+    tokenizer, ids_BT, want_BTV = _policy_logits(cfg, checkpoint, base)
+    final = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_directory(out) as tmp:
+        _write_base(tmp / "base", base, cfg, tokenizer)
+        _write_adapter(tmp / "adapter", checkpoint, final / "base", tokenizer)
+        diffs = _artifact_logit_diffs(tmp, merged, ids_BT, want_BTV, tokenizer, device)
+        # merging rounds W + s*B@A once in fp32: the error grows with the logits' scale, not absolutely
+        scale = max(1.0, float(want_BTV.abs().max()))
+        far = {k: v for k, v in diffs.items() if not v <= tolerance * scale}
+        if far:
+            raise ExportError(f"exported {', '.join(far)} give logits up to {max(far.values()):.3g} away from the "
+                              f"trained policy (tolerance {tolerance:g} x logit scale {scale:.3g}): not exported")
+        problems = vllm_format_problems(tmp / "adapter")
+        return write_record(tmp, {
+            "kind": "export", "source": source or str(Path(checkpoint).resolve()),
+            "base": {**wanted, "identity_here": base_identity(str(base)) if base else wanted["identity"]},
+            "checkpoint_content_hash": record["content_hash"], "iteration": record.get("iteration"),
+            "max_logit_diff": diffs, "logit_scale": scale, "tolerance": tolerance, "vllm_format_problems": problems,
+            "parts": sorted(p.name for p in tmp.iterdir() if p.is_dir())})
+
+
+def _check_source(checkpoint: str | Path, out: Path, base: str | Path | None) -> tuple[dict, Any, dict]:
+    """(the checkpoint's verified record, its config, the base it was trained on); `ExportError`
+    when `out` exists, the checkpoint is not LoRA, or `base` is missing, extra or not the one."""
     if out.exists():
         raise ExportError(f"export directory {out} already exists (choose a new one)")
     record = read_record(checkpoint, verify=True)
@@ -119,58 +142,67 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, base: str | Path 
     elif base is not None:
         raise ExportError(f"checkpoint {checkpoint} was trained on the catalogue base {wanted['name']!r}, "
                           "not on a warm start: leave out the base")
-    m = dataclasses.replace(cfg.model, device=device, dtype="float32")
-    cfg = dataclasses.replace(cfg, model=m)
-    exp = Experiment(cfg, name="export")  # the policy as evaluate and inference rebuild it
+    return record, cfg, wanted
+
+
+def _policy_logits(cfg: Any, checkpoint: str | Path, base: str | Path | None) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """(tokenizer, the probe ids_BT, the policy's logits_BTV on them): the policy as evaluate and
+    inference rebuild it; the experiment is dropped before anything is written."""
+    from tinker_pipelines.loops.experiment import Experiment
+
+    exp = Experiment(cfg, name="export")
     if base is not None:
         exp.use_base(base)
     exp.start_rl()
     exp.resume(checkpoint)
-    tokenizer = exp.tokenizer
-    ids_BT = _probe(tokenizer)
-    want_BTV = _logits(exp.policy, ids_BT)
-    del exp
-    final = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_directory(out) as tmp:
-        base_dir, adapter_dir, merged_dir = tmp / "base", tmp / "adapter", tmp / "merged"
-        if base is not None:  # the warm start as written, its record kept: it stays verifiable
-            shutil.copytree(base, base_dir)
-        else:
-            model, _ = load_model(m.name, seed=cfg.seed if m.seed is None else m.seed, dtype=torch.float32,
-                                  device="cpu", **m.kwargs)
-            model.save_pretrained(str(base_dir), safe_serialization=True)
-            tokenizer.save_pretrained(str(base_dir))
-            del model
-        adapter_dir.mkdir()
-        shutil.copy2(Path(checkpoint) / "adapter_model.safetensors", adapter_dir / "adapter_model.safetensors")
-        conf = json.loads((Path(checkpoint) / "adapter_config.json").read_text())
-        conf["base_model_name_or_path"] = str(final / "base")
-        (adapter_dir / "adapter_config.json").write_text(json.dumps(conf, indent=2, sort_keys=True))
-        tokenizer.save_pretrained(str(adapter_dir))
-        loaded = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).to(device).eval()
-        peft = PeftModel.from_pretrained(loaded, str(adapter_dir)).eval()
-        diffs = {"adapter": float((_logits(peft, ids_BT) - want_BTV).abs().max())}
-        if merged:
-            peft.merge_and_unload().save_pretrained(str(merged_dir), safe_serialization=True)
-            tokenizer.save_pretrained(str(merged_dir))
-            back = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).to(device).eval()
-            diffs["merged"] = float((_logits(back, ids_BT) - want_BTV).abs().max())
-            _check_tokenizer(AutoTokenizer.from_pretrained(str(merged_dir)), tokenizer, merged_dir)
-        _check_tokenizer(AutoTokenizer.from_pretrained(str(adapter_dir)), tokenizer, adapter_dir)
-        # merging rounds W + s*B@A once in fp32: the error grows with the logits' scale, not absolutely
-        scale = max(1.0, float(want_BTV.abs().max()))
-        far = {k: v for k, v in diffs.items() if not v <= tolerance * scale}
-        if far:
-            raise ExportError(f"exported {', '.join(far)} give logits up to {max(far.values()):.3g} away from the "
-                              f"trained policy (tolerance {tolerance:g} x logit scale {scale:.3g}): not exported")
-        problems = vllm_format_problems(adapter_dir)
-        return write_record(tmp, {
-            "kind": "export", "source": source or str(Path(checkpoint).resolve()),
-            "base": {**wanted, "identity_here": base_identity(str(base)) if base else wanted["identity"]},
-            "checkpoint_content_hash": record["content_hash"], "iteration": record.get("iteration"),
-            "max_logit_diff": diffs, "logit_scale": scale, "tolerance": tolerance, "vllm_format_problems": problems,
-            "parts": sorted(p.name for p in tmp.iterdir() if p.is_dir())})
+    ids_BT = _probe(exp.tokenizer)
+    return exp.tokenizer, ids_BT, _logits(exp.policy, ids_BT)
+
+
+def _write_base(base_dir: Path, base: str | Path | None, cfg: Any, tokenizer) -> None:
+    """`base/`: the warm start as written (its record kept: it stays verifiable), or the catalogue base."""
+    from tinker_pipelines.models import load_model
+
+    if base is not None:
+        shutil.copytree(base, base_dir)
+        return
+    m = cfg.model
+    model, _ = load_model(m.name, seed=cfg.seed if m.seed is None else m.seed, dtype=torch.float32,
+                          device="cpu", **m.kwargs)
+    model.save_pretrained(str(base_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(base_dir))
+
+
+def _write_adapter(adapter_dir: Path, checkpoint: str | Path, final_base: Path, tokenizer) -> None:
+    """`adapter/`: the checkpoint's adapter as PEFT wrote it, its base path pointing at where
+    `base/` will be once the export is in place, and the tokenizer."""
+    adapter_dir.mkdir()
+    shutil.copy2(Path(checkpoint) / "adapter_model.safetensors", adapter_dir / "adapter_model.safetensors")
+    conf = json.loads((Path(checkpoint) / "adapter_config.json").read_text())
+    conf["base_model_name_or_path"] = str(final_base)
+    (adapter_dir / "adapter_config.json").write_text(json.dumps(conf, indent=2, sort_keys=True))
+    tokenizer.save_pretrained(str(adapter_dir))
+
+
+def _artifact_logit_diffs(tmp: Path, merged: bool, ids_BT: torch.Tensor, want_BTV: torch.Tensor, tokenizer,
+                          device: str) -> dict[str, float]:
+    """Load `adapter/` (and write and load `merged/`) with plain transformers / PEFT; the largest
+    logit difference of each from the policy's `want_BTV`. Checks each saved tokenizer."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_dir, adapter_dir, merged_dir = tmp / "base", tmp / "adapter", tmp / "merged"
+    loaded = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).to(device).eval()
+    peft = PeftModel.from_pretrained(loaded, str(adapter_dir)).eval()
+    diffs = {"adapter": float((_logits(peft, ids_BT) - want_BTV).abs().max())}
+    if merged:
+        peft.merge_and_unload().save_pretrained(str(merged_dir), safe_serialization=True)
+        tokenizer.save_pretrained(str(merged_dir))
+        back = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).to(device).eval()
+        diffs["merged"] = float((_logits(back, ids_BT) - want_BTV).abs().max())
+        _check_tokenizer(AutoTokenizer.from_pretrained(str(merged_dir)), tokenizer, merged_dir)
+    _check_tokenizer(AutoTokenizer.from_pretrained(str(adapter_dir)), tokenizer, adapter_dir)
+    return diffs
 
 
 def _check_tokenizer(got, want, where: Path) -> None:

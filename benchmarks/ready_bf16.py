@@ -4,7 +4,7 @@ bf16 tiny model, and the sampler's behaviour logprobs agree with the learner's.
 `measure(device)` returns `bf16_worker_ok` (a worker with two adapters sampled a mixed batch and
 trained a shared pass in bf16, with no failed shared pass or sample batch, and each adapter's
 samples and gradients matched those it gets alone) and the per-token logprob differences
-between the sampler and `compute_logprobs`, in-process and on the worker (`tinker_pipelines.training.dtypes`
+between the sampler and `compute_logprobs`, in-process and on the worker (`tinker_pipelines.models.dtypes`
 states the rule both follow). Imports nothing of dagster, mlflow or deepspeed.
 """
 

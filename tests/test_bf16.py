@@ -12,7 +12,7 @@ import torch
 from benchmarks import ready_bf16
 from benchmarks.ready_bf16 import (ADAPTERS, GRAD_RTOL, PROMPTS, bf16_engine, in_process_agreement,
                                    sample_request, worker_check)
-from tinker_pipelines.training.dtypes import rms_norm
+from tinker_pipelines.models.dtypes import rms_norm
 from tinker_pipelines.training.learner import Learner, LearnerConfig
 from tinker_pipelines.training.lora_linear import lora_linear
 from tinker_pipelines.models import load_model

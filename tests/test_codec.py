@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tinker_pipelines.loops.datums import CriticDatum
-from tinker_pipelines.loops.preferences import PreferencePair
+from tinker_pipelines.types import CriticDatum
+from tinker_pipelines.types import PreferencePair
 from tinker_pipelines.tracking import LocalStore
 from tinker_pipelines.tracking.codec import decode, encode, register
 from tinker_pipelines.tracking.store import dumps, loads

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import torch
 
-from tinker_pipelines.loops.datums import CriticDatum
+from tinker_pipelines.types import CriticDatum
 from tinker_pipelines.training.learner import LearnerConfig
 from tinker_pipelines.models import load_model, stop_token_ids
 from tinker_pipelines.rollout.samples import Sample

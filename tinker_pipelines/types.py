@@ -128,3 +128,47 @@ class Datum:
             n = len(getattr(self, name))
             if n not in ((0, T) if name in optional else (T,)):
                 raise ValueError(f"Datum.{name} has length {n}, expected {T}")
+
+
+@dataclass(frozen=True)
+class CriticDatum(Datum):
+    """A datum scored with a critic (PPO): `advantages` come from GAE and the value head
+    regresses on `returns`. Sequence fields are length T, 0 where the weight is 0."""
+
+    rewards: tuple[float, ...] = ()
+    """Per-position reward: each turn's reward on its last sampled token, the final reward on the last."""
+    old_values: tuple[float, ...] = ()
+    """The value head's estimates when the batch was scored."""
+    returns: tuple[float, ...] = ()
+    """GAE returns (advantages before whitening + old values)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        T = len(self.input_tokens)
+        for name in ("rewards", "old_values", "returns"):
+            if len(getattr(self, name)) != T:
+                raise ValueError(f"CriticDatum.{name} has length {len(getattr(self, name))}, expected {T}")
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """Two episodes of the same task, the first scored higher than the second."""
+
+    task_id: str
+    """The task both episodes played."""
+    chosen: Trajectory
+    """An episode with the group's highest total reward (the first such, in sampling order)."""
+    rejected: Trajectory
+    """An episode with the group's lowest total reward (the first such, in sampling order)."""
+
+    def __post_init__(self) -> None:
+        if self.chosen.turns[0].prompt_tokens != self.rejected.turns[0].prompt_tokens:
+            raise ValueError(f"preference pair of task {self.task_id}: chosen and rejected start from different prompts")
+        if not self.chosen.total_reward > self.rejected.total_reward:
+            raise ValueError(f"preference pair of task {self.task_id}: chosen reward {self.chosen.total_reward} "
+                             f"is not above rejected reward {self.rejected.total_reward}")
+
+    @property
+    def reward_gap(self) -> float:
+        """Chosen minus rejected total reward (> 0)."""
+        return self.chosen.total_reward - self.rejected.total_reward

@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from tinker_pipelines.algorithms.advantages import ADVANTAGES
 from tinker_pipelines.algorithms.gae import gae_over_weighted, token_rewards, whiten
 from tinker_pipelines.models import encode_chat
-from tinker_pipelines.types import Datum, Message, Trajectory, TrajectoryGroup
+from tinker_pipelines.types import CriticDatum, Datum, Message, Trajectory, TrajectoryGroup
 
 
 def trajectory_to_datum(trajectory: Trajectory, advantage: float) -> Datum:
@@ -46,26 +46,6 @@ def _turn_ends(trajectory: Trajectory) -> list[int]:
         ends.append(last)
     first = next((e for e in ends if e >= 0), -1)
     return [e if e >= 0 else first for e in ends]
-
-
-@dataclass(frozen=True)
-class CriticDatum(Datum):
-    """A datum scored with a critic (PPO): `advantages` come from GAE and the value head
-    regresses on `returns`. Sequence fields are length T, 0 where the weight is 0."""
-
-    rewards: tuple[float, ...] = ()
-    """Per-position reward: each turn's reward on its last sampled token, the final reward on the last."""
-    old_values: tuple[float, ...] = ()
-    """The value head's estimates when the batch was scored."""
-    returns: tuple[float, ...] = ()
-    """GAE returns (advantages before whitening + old values)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        T = len(self.input_tokens)
-        for name in ("rewards", "old_values", "returns"):
-            if len(getattr(self, name)) != T:
-                raise ValueError(f"CriticDatum.{name} has length {len(getattr(self, name))}, expected {T}")
 
 
 ValuesFn = Callable[[list[Datum]], list[list[float]]]

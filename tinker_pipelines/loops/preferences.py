@@ -19,34 +19,10 @@ from tinker_pipelines.loops.datums import trajectory_to_datum
 from tinker_pipelines.envs.base import EnvSpec
 from tinker_pipelines.rollout.episodes import RolloutConfig, run_groups
 from tinker_pipelines.rollout.sampler import Sampler
-from tinker_pipelines.types import Datum, Trajectory, TrajectoryGroup
+from tinker_pipelines.types import Datum, PreferencePair, Trajectory, TrajectoryGroup
 
 TASK_SEED_RANGE = 10_000_000
 """Training task seeds are drawn below this (evaluation uses seeds from it upward)."""
-
-
-@dataclass(frozen=True)
-class PreferencePair:
-    """Two episodes of the same task, the first scored higher than the second."""
-
-    task_id: str
-    """The task both episodes played."""
-    chosen: Trajectory
-    """An episode with the group's highest total reward (the first such, in sampling order)."""
-    rejected: Trajectory
-    """An episode with the group's lowest total reward (the first such, in sampling order)."""
-
-    def __post_init__(self) -> None:
-        if self.chosen.turns[0].prompt_tokens != self.rejected.turns[0].prompt_tokens:
-            raise ValueError(f"preference pair of task {self.task_id}: chosen and rejected start from different prompts")
-        if not self.chosen.total_reward > self.rejected.total_reward:
-            raise ValueError(f"preference pair of task {self.task_id}: chosen reward {self.chosen.total_reward} "
-                             f"is not above rejected reward {self.rejected.total_reward}")
-
-    @property
-    def reward_gap(self) -> float:
-        """Chosen minus rejected total reward (> 0)."""
-        return self.chosen.total_reward - self.rejected.total_reward
 
 
 def pairs_from_groups(groups: list[TrajectoryGroup]) -> list[PreferencePair]:

@@ -11,7 +11,7 @@ for one new token per row with none of that:
 - q|k|v and gate|up run as one matmul each on fused weight copies (bitwise the same outputs as
   separate matmuls); active vanilla LoRA adapters are merged into those copies where they have
   the base's dtype, and added unmerged (as PEFT and the learner compute them) where they do not
-  (fp32 LoRA on a bf16 base: `tinker_pipelines.training.dtypes` says why). Adapters that cannot be merged
+  (fp32 LoRA on a bf16 base: `tinker_pipelines.models.dtypes` says why). Adapters that cannot be merged
   (DoRA, LoRA bias, ...) run through the model's own sub-modules instead;
 - RMSNorm runs as transformers' `LlamaRMSNorm` (in fp32, cast back: `dtypes.rms_norm`);
 - the prefill is the model's own forward, except that a prompt extending one of the previous
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, rotate_half
 
-from tinker_pipelines.training.dtypes import rms_norm
+from tinker_pipelines.models.dtypes import rms_norm
 from tinker_pipelines.rollout.linears import attention, blocked_linear, invariant_linear, rows_linear
 from tinker_pipelines.rollout.mixed_lora import RowAdapters
 
@@ -86,7 +86,7 @@ def linear_params(module: torch.nn.Module, base_only: bool = False) -> tuple[tor
 
 def _unmerged_adapter(causal: torch.nn.Module) -> str | None | bool:
     """The one active LoRA adapter of `causal` whose dtype is not its base layers' (it must be
-    added unmerged: `tinker_pipelines.training.dtypes`); None when every active adapter can be merged (or
+    added unmerged: `tinker_pipelines.models.dtypes`); None when every active adapter can be merged (or
     none is active); False when several active adapters would need it (the model's own forward)."""
     active, other_dtype = set(), False
     for m in causal.modules():

@@ -11,7 +11,7 @@ the delta inside its base product: a row's delta is then the same floats whoever
 batch (tested against each adapter alone).
 
 Adapters in another dtype than the base (fp32 LoRA on a bf16 base, PEFT's default) add their
-delta as `tinker_pipelines.training.dtypes` states (`add_delta_upcast`): `x` cast to the adapters' dtype,
+delta as `tinker_pipelines.models.dtypes` states (`add_delta_upcast`): `x` cast to the adapters' dtype,
 the low-rank products there, the sum with the base output rounded once to the base's dtype. On
 a batch-invariant decoder (CPU) each adapter's products are `invariant_linear`s of their own
 factors, so a row's delta is still the floats it gets when its adapter is alone in the batch.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tinker_pipelines.training.dtypes import adapter_input, add_lora
+from tinker_pipelines.models.dtypes import adapter_input, add_lora
 from tinker_pipelines.rollout.linears import invariant_linear
 
 Factors = tuple[torch.Tensor, torch.Tensor]
@@ -139,7 +139,7 @@ class RowAdapters:
 
     def add_delta_upcast(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: int) -> None:
         """`y` (the base output on `x` [B, ..., in], in the base's dtype) becomes the LoRA layer's
-        output as PEFT computes it for adapters in another dtype (`tinker_pipelines.training.dtypes`): each
+        output as PEFT computes it for adapters in another dtype (`tinker_pipelines.models.dtypes`): each
         row's delta from `x` cast to the adapters' dtype, added in that dtype, rounded once."""
         f = self._factors[layer][group]
         if f is None:

@@ -38,9 +38,8 @@ def register(cls: type) -> type:
 
 def _registry() -> dict[str, type]:
     if not TYPES:
-        from tinker_pipelines.loops.datums import CriticDatum
-        from tinker_pipelines.loops.preferences import PreferencePair
-        from tinker_pipelines.types import Datum, StepResult, Trajectory, TrajectoryGroup, Turn
+        from tinker_pipelines.types import (CriticDatum, Datum, PreferencePair, StepResult, Trajectory,
+                                            TrajectoryGroup, Turn)
 
         for t in (Turn, Trajectory, TrajectoryGroup, Datum, CriticDatum, StepResult, PreferencePair):
             TYPES.setdefault(t.__name__, t)

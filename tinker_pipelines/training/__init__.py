@@ -8,8 +8,8 @@
 - `learner` (the in-process learner, `LearnerConfig`, `ValueHead`), `learner_checkpoint` (its
   checkpoints), `deepspeed_learner` and `distributed` (ZeRO over torchrun ranks).
 - Their internals: `padding`, `prefix_sharing`, `lora_linear` (fused LoRA layers),
-  `activation_checkpointing`, `dtypes` (the bf16/fp32 rule), `master_weights` (fp32 masters for
-  bf16), and `allocator` (glibc heap settings of processes that sample and train).
+  `activation_checkpointing`, `master_weights` (fp32 masters for bf16; the dtype rule itself is
+  `models.dtypes`, shared with the sampler), and `allocator` (glibc heap settings of processes that sample and train).
 
 Importing the package loads nothing (the names below load on first use): the command line
 imports `allocator` before it may start torch.

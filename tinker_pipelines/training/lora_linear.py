@@ -19,7 +19,7 @@ rows inside the one base output, with no per-layer slicing and concatenation.
 The function is the same as PEFT's up to float rounding (the order of two additions), and the
 parameters and checkpoints are PEFT's own: `fuse_lora_layers` only changes how the layers run.
 An adapter whose dtype is not the base's (fp32 LoRA on a bf16 base, PEFT's default) follows the
-rule in `tinker_pipelines.training.dtypes`, as PEFT's forward does: `x` cast to the adapter's dtype, the
+rule in `tinker_pipelines.models.dtypes`, as PEFT's forward does: `x` cast to the adapter's dtype, the
 low-rank path there (`(x A^T) B^T` then `* s`), the sum with the base output rounded once to
 the base's dtype; in the backward `dy` is upcast for the low-rank products and the input's share
 rounded to `x`'s dtype. Anything else PEFT's layer can do (several active adapters, dropout,
@@ -35,7 +35,7 @@ from typing import Any, Iterator
 
 import torch
 
-from tinker_pipelines.training.dtypes import add_lora
+from tinker_pipelines.models.dtypes import add_lora
 
 class _LoraLinear(torch.autograd.Function):
     """`y = x W^T + b`, plus on each span of rows its adapter's `s (x A^T) B^T`, over the last

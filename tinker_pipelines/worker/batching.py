@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn
-from tinker_pipelines.training.dtypes import adapter_input, add_lora
+from tinker_pipelines.models.dtypes import adapter_input, add_lora
 from tinker_pipelines.training.learner import Learner
 from tinker_pipelines.training.lora_linear import adapters_disabled, lora_linear
 from tinker_pipelines.training.padding import _Padded, pad_datums
@@ -46,7 +46,7 @@ def row_adapters(model: torch.nn.Module, layouts: dict[int, Segments]) -> Iterat
     `adapters_disabled(model)` so the layers themselves add nothing otherwise. `layouts` maps a
     batch size to its segments: a shared-prefix forward runs its prefix rows and its
     continuation rows as two batches of different sizes. Adapters whose dtype is not the base's
-    compute as PEFT does (`tinker_pipelines.training.dtypes`)."""
+    compute as PEFT does (`tinker_pipelines.models.dtypes`)."""
 
     def forward(module: torch.nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         segments = layouts.get(x.shape[0])

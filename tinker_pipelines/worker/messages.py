@@ -27,9 +27,8 @@ from typing import Any, Union
 import msgspec
 import torch
 
-from tinker_pipelines.loops.datums import CriticDatum
 from tinker_pipelines.rollout.samples import Sample
-from tinker_pipelines.types import Datum
+from tinker_pipelines.types import CriticDatum, Datum
 
 
 class Op(str, enum.Enum):

@@ -15,9 +15,10 @@ import torch
 from tinker_pipelines.algorithms.losses import LossConfig
 from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.training.learner import Learner, LearnerConfig
-from tinker_pipelines.rollout.sampler import ContextOverflowError, Sample, Sampler, SampleRequest
+from tinker_pipelines.rollout.sampler import Sample, Sampler, SampleRequest
 from tinker_pipelines.types import Datum
 from tinker_pipelines.worker.batching import FBJob, forward_backward_together
+from tinker_pipelines.worker.messages import error_reply
 
 
 log = logging.getLogger(__name__)
@@ -380,11 +381,9 @@ class _active:
 
 
 def _error(e: BaseException) -> dict[str, Any]:
-    kind = "context_overflow" if isinstance(e, ContextOverflowError) else type(e).__name__
-    msg = str(e)
-    if isinstance(e, KeyError):
-        msg = f"missing field {e}"
-    return {"error": kind, "message": msg}
+    """A failed request of a batch as its reply (`messages.error_reply`'s kind and message)."""
+    r = error_reply(e)
+    return {"error": r.error, "message": r.message}
 
 
 __all__ = ["Engine", "EngineConfig", "Hosted", "RequestError", "Sample"]

@@ -205,7 +205,7 @@ class WorkerServer:
                 return None
             try:
                 data = conn.recv_bytes()
-            except (OSError, EOFError):
+            except (OSError, EOFError, TypeError):  # gone, or cut off by the deadline (a closed handle)
                 return None
         finally:
             deadline.cancel()
@@ -308,13 +308,25 @@ class WorkerServer:
         def learner(r: M.AdapterRequest):
             return e.get(r.adapter).learner
 
+        def park(c: int, r: M.Park) -> M.Reply:
+            e.park(r.adapter, r.tag)
+            return M.ParkReply()
+
+        def drop(c: int, r: M.Drop) -> M.Reply:
+            e.drop(r.adapter)
+            return M.DropReply()
+
+        def shutdown(c: int, r: M.Shutdown) -> M.Reply:
+            threading.Thread(target=self.stop, daemon=True).start()  # after this reply is sent
+            return M.ShutdownReply()
+
         return {
             Op.CREATE: lambda c, r: M.CreateReply(**e.create(c, r.name, r.learner, r.seed, r.base_name,
                                                               r.algorithm, r.claim)),
-            Op.PARK: lambda c, r: (e.park(r.adapter, r.tag), M.ParkReply())[1],
-            Op.DROP: lambda c, r: (e.drop(r.adapter), M.DropReply())[1],
+            Op.PARK: park,
+            Op.DROP: drop,
             Op.STATS: lambda c, r: M.StatsReply(e.stats()),
-            Op.SHUTDOWN: lambda c, r: (threading.Thread(target=self.stop, daemon=True).start(), M.ShutdownReply())[1],
+            Op.SHUTDOWN: shutdown,
             Op.OPTIM_STEP: lambda c, r: M.OptimStepReply(learner(r).optim_step()),
             Op.COMPUTE_LOGPROBS: lambda c, r: M.ComputeLogprobsReply(learner(r).compute_logprobs(M.datums_of(r.datums))),
             Op.COMPUTE_REFERENCE_LOGPROBS: lambda c, r: M.ComputeReferenceLogprobsReply(

@@ -520,7 +520,7 @@ def test_forbidden_user_namespaces_are_named(drop_box: Path) -> None:
 
 def test_missing_libseccomp_refuses_only_the_filter(drop_box: Path) -> None:
     marker, code = _marker_code(drop_box)
-    setup = "from tinker_pipelines import sandbox_seccomp; sandbox_seccomp.LIBSECCOMP = 'libseccomp-absent.so.0'"
+    setup = "from tinker_pipelines.envs import sandbox_seccomp; sandbox_seccomp.LIBSECCOMP = 'libseccomp-absent.so.0'"
     out = run_in_child(code, setup=setup)
     assert out["kind"] == "LibseccompMissing" and list(out["missing"]) == ["syscalls_filtered"], out
     assert "libseccomp-absent.so.0" in out["message"] and not marker.exists()

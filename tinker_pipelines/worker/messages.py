@@ -19,6 +19,7 @@ that one-line answer.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import json
@@ -112,17 +113,23 @@ class WireDatum(msgspec.Struct, frozen=True):
     def of(cls, d: Datum) -> WireDatum:
         if type(d) not in (Datum, CriticDatum):  # another subclass's fields would be dropped on the way
             raise TypeError(f"a worker takes Datum or CriticDatum, not {type(d).__name__}")
-        critic = CriticFields(d.rewards, d.old_values, d.returns) if isinstance(d, CriticDatum) else None
-        return cls(d.input_tokens, d.target_tokens, d.weights, d.behaviour_logprobs, d.advantages, d.support_sizes,
-                   d.reference_logprobs, critic)
+        critic = CriticFields(**{f: getattr(d, f) for f in _CRITIC_FIELDS}) if isinstance(d, CriticDatum) else None
+        return cls(**{f: getattr(d, f) for f in _DATUM_FIELDS}, critic=critic)
 
     def to_datum(self) -> Datum:
-        base = (self.input_tokens, self.target_tokens, self.weights, self.behaviour_logprobs, self.advantages,
-                self.support_sizes, self.reference_logprobs)
+        base = {f: getattr(self, f) for f in _DATUM_FIELDS}
         if self.critic is None:
-            return Datum(*base)
-        return CriticDatum(*base, rewards=self.critic.rewards, old_values=self.critic.old_values,
-                           returns=self.critic.returns)
+            return Datum(**base)
+        return CriticDatum(**base, **{f: getattr(self.critic, f) for f in _CRITIC_FIELDS})
+
+
+# The wire mirrors of Datum and CriticDatum must carry every field they have: a field added to
+# either without its mirror here would be dropped on the way to the worker, so import fails instead.
+_DATUM_FIELDS = tuple(f.name for f in dataclasses.fields(Datum))
+_CRITIC_FIELDS = tuple(f.name for f in dataclasses.fields(CriticDatum) if f.name not in _DATUM_FIELDS)
+if set(WireDatum.__struct_fields__) != {*_DATUM_FIELDS, "critic"} or \
+        set(CriticFields.__struct_fields__) != set(_CRITIC_FIELDS):
+    raise ImportError("worker.messages: WireDatum/CriticFields do not mirror Datum/CriticDatum's fields")
 
 
 def wire_datums(datums: list[WireDatum]) -> list[WireDatum]:

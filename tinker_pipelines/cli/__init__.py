@@ -1,7 +1,8 @@
 """`tinker-pipelines train CONFIG.yaml`: SFT warm start then RL, in a plain Python loop;
 `tinker-pipelines worker --model NAME`: a resident device worker hosting many experiments' adapters;
 `tinker-pipelines serve [MODEL@ALIAS ...]`: an OpenAI-compatible endpoint over the base and registered adapters;
-`tinker-pipelines export SOURCE --out DIR`: an adapter as a PEFT directory, its base and merged weights."""
+`tinker-pipelines export SOURCE --out DIR`: an adapter as a PEFT directory, its base and merged weights;
+`tinker-pipelines tinker serve --model NAME`: Tinker's API for the tinker SDK and tinker-cookbook."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 from tinker_pipelines.cli.serving import cmd_export, cmd_serve
+from tinker_pipelines.cli.tinker import add_parser as add_tinker_parser
 from tinker_pipelines.cli.support import flags_named, one_line, parse_model_kwargs, warnings_as_lines
 from tinker_pipelines.worker import default_socket
 
@@ -272,8 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--tolerance", type=float, default=1e-4, help="largest logit difference accepted on reload, relative to the largest |logit|")
     e.add_argument("--device", default="cpu", help="where to load the models for the check (cpu, cuda, cuda:N)")
     e.set_defaults(func=cmd_export)
+    add_tinker_parser(sub)
     args = parser.parse_args(argv)
-    if args.command in ("serve", "worker"):
+    if args.command in ("serve", "worker", "tinker"):
         # A compute thread beside request threads: libgomp's default lets torch's idle OpenMP
         # worker spin between ops and take the core they need (docs/serving.md, "Figures").
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

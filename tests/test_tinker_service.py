@@ -1,0 +1,180 @@
+"""The Tinker service against the pinned `tinker` SDK, unmodified, on loopback.
+
+One service (tiny base, fp32, CPU worker) is shared by the module's tests; each test makes its
+own session and training clients, which is also how several users share one service.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import tinker
+from tinker import types
+
+from tinker_pipelines.algorithms.tinker_losses import TinkerLossFn, datum_from_tinker, tinker_loss
+from tinker_pipelines.serving.tinker.launch import start_service
+from tinker_pipelines.serving.tinker.runtime import LoraShape
+from tinker_pipelines.models import load_model
+
+KEY = "tml-test-key"
+THREADS = str(torch.get_num_threads())
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    handle = start_service("tiny", home=tmp_path_factory.mktemp("tinker"), api_key=KEY, device="cpu",
+                           dtype="float32", gap_timeout_s=3.0, worker_args=["--threads", THREADS])
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture
+def client(service):
+    sc = tinker.ServiceClient(base_url=service.url, api_key=KEY)
+    yield sc
+    sc.holder.close() if hasattr(sc, "holder") else None
+
+
+def _sft_datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
+    inputs, targets = tokens[:-1], tokens[1:]
+    w = weights or [1.0] * len(targets)
+    return types.Datum(model_input=types.ModelInput.from_ints(inputs), loss_fn_inputs={
+        "target_tokens": types.TensorData.from_numpy(np.asarray(targets, np.int64)),
+        "weights": types.TensorData.from_numpy(np.asarray(w, np.float32))})
+
+
+def _rl_datum(tokens: list[int], seed: int) -> types.Datum:
+    rng = np.random.default_rng(seed)
+    inputs, targets = tokens[:-1], tokens[1:]
+    return types.Datum(model_input=types.ModelInput.from_ints(inputs), loss_fn_inputs={
+        "target_tokens": types.TensorData.from_numpy(np.asarray(targets, np.int64)),
+        "logprobs": types.TensorData.from_numpy(-rng.random(len(targets)).astype(np.float32)),
+        "advantages": types.TensorData.from_numpy(rng.standard_normal(len(targets)).astype(np.float32))})
+
+
+DATA = [_sft_datum([5, 9, 13, 21, 34, 55]), _sft_datum([7, 8, 9, 10], [0.0, 1.0, 0.5])]
+ADAM = types.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
+
+
+def _local_learner(lora: LoraShape):
+    from tinker_pipelines.training.learner import Learner, LearnerConfig
+
+    torch.set_num_threads(int(THREADS))
+    model, tok = load_model("tiny", seed=0, dtype="float32", device="cpu")
+    cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in lora.learner().items()}
+    return Learner(model, LearnerConfig(**cfg), tok.pad_token_id, base_name="tiny", adapter_name="local",
+                   init_seed=lora.seed)
+
+
+def _local_datums(data: list[types.Datum]):
+    return [datum_from_tinker(d.model_input.to_ints(), {k: v.to_torch() for k, v in d.loss_fn_inputs.items()})
+            for d in data]
+
+
+def test_cross_entropy_step_equals_the_in_process_learner_exactly(client, tmp_path):
+    tc = client.create_lora_training_client("tiny", rank=4, seed=3)
+    fb = tc.forward_backward(DATA, "cross_entropy").result()
+    tc.optim_step(ADAM).result()
+    fb2 = tc.forward_backward(DATA, "cross_entropy").result()
+
+    local = _local_learner(LoraShape(4, 3))
+    loss = TinkerLossFn(tinker_loss("cross_entropy"))
+    m1 = local.forward_backward(_local_datums(DATA), loss, loss.loss_config())
+    local.optim_step(ADAM.model_dump())
+    m2 = local.forward_backward(_local_datums(DATA), loss, loss.loss_config())
+    assert fb.metrics["loss:sum"] == m1["loss:sum"]
+    assert fb2.metrics["loss:sum"] == m2["loss:sum"]
+    assert fb2.metrics["loss:sum"] < fb.metrics["loss:sum"]
+    # per-datum outputs: the target tokens' logprobs, one per token
+    lp = [o["logprobs"].to_torch() for o in fb.loss_fn_outputs]
+    assert [len(x) for x in lp] == [5, 3]
+    weights = torch.cat([d.loss_fn_inputs["weights"].to_torch() for d in DATA])
+    assert float(-(torch.cat(lp) * weights).sum()) == pytest.approx(fb.metrics["loss:sum"], rel=1e-6)
+
+
+def test_sample_equals_the_in_process_sampler_at_the_same_seed(client):
+    sc = client.create_sampling_client(base_model="tiny")
+    prompt = types.ModelInput.from_ints([3, 4, 5, 6])
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=1234)
+    a = sc.sample(prompt, num_samples=2, sampling_params=params).result()
+    b = sc.sample(prompt, num_samples=2, sampling_params=params).result()
+    assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+    assert all(len(s.tokens) == len(s.logprobs) > 0 for s in a.sequences)
+    assert all(s.stop_reason in ("stop", "length") for s in a.sequences)
+
+
+def test_prompt_logprobs_match_forward(client):
+    tc = client.create_lora_training_client("tiny", rank=4, seed=1)
+    sc = tc.save_weights_and_get_sampling_client()
+    tokens = [5, 9, 13, 21, 34]
+    lps = sc.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+    assert lps[0] is None and len(lps) == len(tokens)
+    fwd = tc.forward([_sft_datum(tokens)], "cross_entropy").result()
+    got = fwd.loss_fn_outputs[0]["logprobs"].to_torch().tolist()
+    assert got == pytest.approx(lps[1:], abs=1e-5)
+
+
+def test_save_and_load_state_resume_bit_for_bit(client):
+    tc = client.create_lora_training_client("tiny", rank=4, seed=5)
+    tc.forward_backward(DATA, "cross_entropy").result()
+    tc.optim_step(ADAM).result()
+    path = tc.save_state("after-one").result().path
+    assert path == f"tinker://{tc.model_id}/weights/after-one"
+    tc.forward_backward(DATA, "cross_entropy").result()
+    tc.optim_step(ADAM).result()
+    want = tc.forward_backward(DATA, "cross_entropy").result().metrics["loss:sum"]
+
+    resumed = client.create_training_client_from_state_with_optimizer(path)
+    resumed.forward_backward(DATA, "cross_entropy").result()
+    resumed.optim_step(ADAM).result()
+    assert resumed.forward_backward(DATA, "cross_entropy").result().metrics["loss:sum"] == want
+
+    tc.load_state(path).result()
+    tc.forward_backward(DATA, "cross_entropy").result()
+    tc.optim_step(ADAM).result()
+    assert tc.forward_backward(DATA, "cross_entropy").result().metrics["loss:sum"] == want
+
+
+def _train(tc, steps: int, loss: str = "importance_sampling") -> list[float]:
+    out = []
+    data = [_rl_datum([5, 9, 13, 21, 34, 55], 1), _rl_datum([7, 8, 9, 10], 2)]
+    for _ in range(steps):
+        out.append(tc.forward_backward(data, loss).result().metrics["loss:sum"])
+        tc.optim_step(ADAM).result()
+    return out
+
+
+def test_two_clients_interleaved_end_exactly_as_alone(client):
+    alone_a = _train(client.create_lora_training_client("tiny", rank=4, seed=11), 3)
+    alone_b = _train(client.create_lora_training_client("tiny", rank=8, seed=12), 3, "ppo")
+    a = client.create_lora_training_client("tiny", rank=4, seed=11)
+    b = client.create_lora_training_client("tiny", rank=8, seed=12)
+    data = [_rl_datum([5, 9, 13, 21, 34, 55], 1), _rl_datum([7, 8, 9, 10], 2)]
+    got_a, got_b = [], []
+    for _ in range(3):
+        fa, fb = a.forward_backward(data, "importance_sampling"), b.forward_backward(data, "ppo")
+        got_a.append(fa.result().metrics["loss:sum"])
+        got_b.append(fb.result().metrics["loss:sum"])
+        oa, ob = a.optim_step(ADAM), b.optim_step(ADAM)
+        oa.result(), ob.result()
+    assert got_a == alone_a and got_b == alone_b
+
+
+def test_bad_requests_name_the_field_and_the_service_keeps_serving(client):
+    tc = client.create_lora_training_client("tiny", rank=4, seed=2)
+    bad_loss = [_sft_datum([5, 6, 7])]
+    with pytest.raises(tinker.BadRequestError, match="loss_fn_inputs.logprobs is missing"):
+        tc.forward_backward(bad_loss, "importance_sampling").result()
+    with pytest.raises(tinker.BadRequestError, match="not supported by this service; supported: cross_entropy"):
+        tc.forward_backward(bad_loss, "stable_reinforce").result()
+    with pytest.raises((tinker.RequestFailedError, tinker.BadRequestError), match="vocabulary"):
+        tc.forward_backward([_sft_datum([5, 6, 10_000_000])], "cross_entropy").result()
+    with pytest.raises(tinker.BadRequestError, match="not served here"):
+        client.create_lora_training_client("no-such-model", rank=4)
+    # the same client still trains
+    assert tc.forward_backward(DATA, "cross_entropy").result().metrics["loss:sum"] > 0

@@ -1,0 +1,88 @@
+"""`tinker-pipelines tinker serve`: Tinker's API (and the OpenAI endpoint) over a resident worker.
+
+Every fault before it serves is one line `error: ...`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser("tinker", help="Tinker's API for the tinker SDK and tinker-cookbook, on our own worker")
+    tsub = t.add_subparsers(dest="tinker_command", required=True)
+    s = tsub.add_parser("serve", help="serve /api/v1 (Tinker) and /v1 (OpenAI) over one resident worker")
+    s.add_argument("--model", required=True, help="the base: catalog name or model directory (clients name it so)")
+    s.add_argument("--home", default=".tinker/service",
+                   help="where checkpoints (tinker://...), run metadata and the worker's socket live")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (non-loopback needs --api-key-env)")
+    s.add_argument("--port", type=int, default=8001, help="port (0: any free one)")
+    s.add_argument("--api-key-env", default="",
+                   help="name of an environment variable holding the key every client must send (X-API-Key); "
+                        "without it any key is accepted, on loopback only")
+    s.add_argument("--device", default="auto", help="the worker's device: auto, cpu, cuda or cuda:N")
+    s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16")
+    s.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body accepted")
+    s.add_argument("--gap-timeout-s", type=float, default=60.0,
+                   help="how long a training call waits for the seq_id before it before failing")
+    s.add_argument("--no-tracking", action="store_true",
+                   help="no MLflow runs or registered checkpoints (checkpoints are still written to --home)")
+    s.set_defaults(func=cmd_tinker_serve)
+
+
+def _settings(args: argparse.Namespace):
+    from tinker_pipelines.serving.tinker.app import TinkerSettings
+    from tinker_pipelines.serving.tinker.launch import check_host
+
+    key = None
+    if args.api_key_env:
+        key = os.environ.get(args.api_key_env)
+        if not key:
+            raise ValueError(f"--api-key-env {args.api_key_env}: that environment variable is empty or unset")
+    check_host(args.host, key)
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
+    if not args.max_body_mb > 0 or not args.gap_timeout_s > 0:
+        raise ValueError("--max-body-mb and --gap-timeout-s must be > 0")
+    from tinker_pipelines.models import check_model_name
+
+    check_model_name(args.model)
+    return TinkerSettings(api_key=key, max_body_bytes=int(args.max_body_mb * 1024 * 1024))
+
+
+def cmd_tinker_serve(args: argparse.Namespace) -> int:
+    try:
+        settings = _settings(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from tinker_pipelines.serving.tinker.launch import start_service
+    from tinker_pipelines.worker import WorkerError
+
+    tracker = None
+    try:
+        if not args.no_tracking:
+            tracker = _tracker(Path(args.home))
+        handle = start_service(args.model, args.port, Path(args.home), settings.api_key, args.host, args.device,
+                               args.dtype, tracker=tracker, gap_timeout_s=args.gap_timeout_s, settings=settings)
+    except (ValueError, WorkerError, RuntimeError, OSError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+    print(f"tinker service on {handle.url} (base_url for the tinker SDK; OpenAI at {handle.openai_url}), "
+          f"worker pid {handle.worker_pid}, home {args.home}", flush=True)
+    try:
+        handle._thread.join()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        handle.stop()
+    return 0
+
+
+def _tracker(home: Path):
+    """MLflow tracking and the registry for the service's checkpoints (see serving/tinker/lineage.py)."""
+    from tinker_pipelines.serving.tinker.lineage import TinkerTracker
+
+    return TinkerTracker.from_env(home)

@@ -1,0 +1,156 @@
+"""Starting the Tinker service: a resident worker for the base, and one HTTP process that
+serves Tinker's `/api/v1` and the OpenAI `/v1` from it.
+
+In this process (`start_service`, a thread: tests, notebooks, benchmarks) or as
+`tinker-pipelines tinker serve` (the CLI). Without an API key the service accepts any key, so
+it listens on loopback only; a non-loopback host needs `--api-key-env`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tinker_pipelines.serving.launch import DEFAULT_HOST, build_server, serving_env
+from tinker_pipelines.serving.tinker.app import TinkerSettings, add_tinker_routes
+from tinker_pipelines.serving.tinker.runtime import Runtime
+from tinker_pipelines.serving.tinker.service import Service
+
+
+def check_host(host: str, api_key: str | None) -> None:
+    """Refuse to listen beyond loopback without a key (any key would be accepted)."""
+    if api_key is not None:
+        return
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(f"--host {host} is not loopback: without an API key this service accepts any key, so it "
+                         "only listens on 127.0.0.1; set one with --api-key-env")
+
+
+def base_aliases(model: str) -> tuple[str, ...]:
+    """Other names clients may give the served base: a model directory's absolute path and name."""
+    p = Path(model)
+    return (str(p.resolve()), p.name) if p.is_dir() else ()
+
+
+@dataclass
+class ServiceHandle:
+    """A running service: its base URL (the SDK's `base_url`), worker and HTTP server."""
+
+    url: str
+    worker: subprocess.Popen
+    service: Service
+    _uvicorn: Any
+    _thread: threading.Thread
+
+    @property
+    def worker_pid(self) -> int:
+        return self.worker.pid
+
+    @property
+    def openai_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def stop(self) -> None:
+        self._uvicorn.should_exit = True
+        self._thread.join(timeout=10)
+        self.service.runtime.close()
+        if self.worker.poll() is None:
+            self.worker.terminate()
+            try:
+                self.worker.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.worker.kill()
+
+
+def build_app(model: str, worker_address: Path, home: Path, settings: TinkerSettings, tracker: Any = None,
+              gap_timeout_s: float = 60.0) -> tuple[Any, Service]:
+    """The app: the OpenAI endpoint over the worker, with Tinker's routes added."""
+    from tinker_pipelines.serving.app import build_app as build_openai_app
+
+    runtime = Runtime(worker_address, home / "scratch")
+    (home / "scratch").mkdir(parents=True, exist_ok=True)
+    service = Service(runtime, model, home, tracker=tracker, gap_timeout_s=gap_timeout_s,
+                      base_aliases=base_aliases(model))
+    server = build_server(model=model, worker=str(worker_address), use_registry=tracker is not None,
+                          registry=getattr(tracker, "registry", None))
+    return add_tinker_routes(build_openai_app(server), service, settings), service
+
+
+def start_service(model: str, port: int = 0, home: Path | None = None, api_key: str | None = None,
+                  host: str = DEFAULT_HOST, device: str = "auto", dtype: str = "auto", tracker: Any = None,
+                  gap_timeout_s: float = 60.0, worker_args: list[str] | None = None,
+                  settings: TinkerSettings | None = None) -> ServiceHandle:
+    """Start a worker for `model` and serve it in a thread of this process."""
+    import tempfile
+
+    import uvicorn
+
+    from tinker_pipelines.worker.client import start_worker
+
+    check_host(host, api_key)
+    home = Path(home or tempfile.mkdtemp(prefix="tinker-service-"))
+    home.mkdir(parents=True, exist_ok=True)
+    address = home / "worker.sock"
+    worker = start_worker(model, address, device=device, dtype=dtype, extra=worker_args, log=home / "worker.log")
+    try:
+        settings = settings or TinkerSettings(api_key=api_key)
+        app, service = build_app(model, address, home, settings, tracker, gap_timeout_s)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        url = f"http://{host}:{sock.getsockname()[1]}"
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        wait_healthy(url, 60)
+    except BaseException:
+        worker.kill()
+        raise
+    return ServiceHandle(url, worker, service, server, thread)
+
+
+def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the Tinker service exited with code {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=2) as r:
+                if json.loads(r.read()).get("status") == "ok":
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"the Tinker service at {url} was not ready after {timeout_s:.0f} s")
+
+
+def start_service_process(args: list[str], home: Path, host: str = DEFAULT_HOST, port: int | None = None,
+                          timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
+    """`tinker-pipelines tinker serve ARGS` in its own session; (process, base URL) once it answers."""
+    if port is None:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    log = open(home / "service.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "tinker_pipelines", "tinker", "serve", *args, "--home", str(home),
+                             "--host", host, "--port", str(port)], stdout=log, stderr=log, start_new_session=True,
+                            env=serving_env())
+    url = f"http://{host}:{port}"
+    try:
+        wait_healthy(url, timeout_s, proc)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc, url

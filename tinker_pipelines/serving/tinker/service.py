@@ -1,0 +1,459 @@
+"""The Tinker service's state and calls, without HTTP: sessions, training clients, sampling
+sessions and their checkpoints, over one resident worker (`runtime.Runtime`).
+
+Each training client is a `Model`: a LoRA adapter on the worker, its `SeqQueue` (its calls run
+in `seq_id` order), its MLflow run and its checkpoints. A checkpoint is written in our own
+format (`record.json` plus hashed tensors) under `home/checkpoints/<model_id>/<kind>/<name>`,
+addressed as `tinker://<model_id>/<kind>/<name>`; each model's metadata is kept in
+`home/runs/<model_id>.json`, so a restarted service resumes from any saved checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from tinker import types
+
+from tinker_pipelines.serving.tinker import wire
+from tinker_pipelines.serving.tinker.futures import Futures, Proto, Result, SeqQueue
+from tinker_pipelines.serving.tinker.runtime import LoraShape, Runtime, Trainer
+from tinker_pipelines.rollout.samples import BASE
+from tinker_pipelines.types import Datum
+from tinker_pipelines.worker import messages as M
+
+
+class NotFound(LookupError):
+    """An id the service does not know; `field` names which (answered 404)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+class Invalid(ValueError):
+    """A request the service refuses; `field` names what (answered 400)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+def check_name(name: str, what: str = "path") -> str:
+    """A checkpoint name: it becomes a path segment and the last part of a `tinker://` path."""
+    if not isinstance(name, str) or not _NAME.match(name) or name in (".", ".."):
+        raise Invalid(f"{what} {name!r} is not a checkpoint name (1-128 of A-Z a-z 0-9 _ . -)", what)
+    return name
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+@dataclass
+class Session:
+    session_id: str
+    tags: list[str]
+    user_metadata: dict[str, str]
+    last_heartbeat: float = field(default_factory=time.monotonic)
+    sampling_seq: int = 0
+    finished: str | None = None
+
+
+@dataclass
+class Model:
+    """One training client."""
+
+    model_id: str
+    session_id: str
+    base_model: str
+    lora: LoraShape
+    user_metadata: dict[str, str]
+    trainer: Trainer
+    queue: SeqQueue
+    steps: int = 0
+    last_request_time: str = field(default_factory=now_iso)
+    last_checkpoint: dict[str, Any] | None = None
+    last_sampler_checkpoint: dict[str, Any] | None = None
+
+    def meta(self) -> dict[str, Any]:
+        return {"model_id": self.model_id, "session_id": self.session_id, "base_model": self.base_model,
+                "lora": self.lora.as_dict(), "user_metadata": self.user_metadata, "steps": self.steps,
+                "last_request_time": self.last_request_time, "last_checkpoint": self.last_checkpoint,
+                "last_sampler_checkpoint": self.last_sampler_checkpoint}
+
+
+@dataclass
+class Sampler:
+    """A sampling session: the base, a client's snapshot, or a checkpoint loaded read-only."""
+
+    sampler_id: str
+    base_model: str
+    model_path: str | None
+    adapter: str
+    """The worker adapter it samples (`BASE` for the base)."""
+    trainer: Trainer | None = None
+    """The client whose connection holds `adapter` (None: the runtime's shared connection)."""
+
+
+class Service:
+    """Every session, model and sampler of one base model on one worker."""
+
+    def __init__(self, runtime: Runtime, base_model: str, home: Path, tracker: Any = None,
+                 gap_timeout_s: float = 60.0, base_aliases: tuple[str, ...] = ()):
+        self.runtime = runtime
+        self.base_model = base_model
+        """The name clients pass as `base_model` (a catalogue name or a model directory)."""
+        self.base_aliases = {base_model, *base_aliases}
+        self.home = home
+        self.tracker = tracker
+        """A `lineage.TinkerTracker` (MLflow runs, registry, Dagster), or None."""
+        self.gap_timeout_s = gap_timeout_s
+        self.futures = Futures()
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, Model] = {}
+        self.samplers: dict[str, Sampler] = {}
+        (home / "runs").mkdir(parents=True, exist_ok=True)
+        (home / "checkpoints").mkdir(parents=True, exist_ok=True)
+
+    # -- lookups ----------------------------------------------------------------------------
+    def session(self, session_id: str) -> Session:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise NotFound(f"session_id {session_id!r} is unknown to this service", "session_id")
+        return s
+
+    def model(self, model_id: str) -> Model:
+        m = self.models.get(model_id)
+        if m is None:
+            raise NotFound(f"model_id {model_id!r} is unknown to this service (create it, or load it from a "
+                           "checkpoint with create_training_client_from_state)", "model_id")
+        return m
+
+    def sampler(self, sampler_id: str) -> Sampler:
+        s = self.samplers.get(sampler_id)
+        if s is None:
+            raise NotFound(f"sampling_session_id {sampler_id!r} is unknown to this service", "sampling_session_id")
+        return s
+
+    def check_base(self, base_model: str | None, field_name: str = "base_model") -> str:
+        if base_model is None or base_model in self.base_aliases:
+            return self.base_model
+        raise Invalid(f"{field_name} {base_model!r} is not served here; this service serves {self.base_model!r}",
+                      field_name)
+
+    # -- sessions ---------------------------------------------------------------------------
+    def create_session(self, req: types.CreateSessionRequest) -> types.CreateSessionResponse:
+        sid = f"s{secrets.token_hex(6)}"
+        self.sessions[sid] = Session(sid, list(req.tags or []), dict(req.user_metadata or {}))
+        return types.CreateSessionResponse(session_id=sid)
+
+    def heartbeat(self, session_id: str) -> None:
+        self.session(session_id).last_heartbeat = time.monotonic()
+
+    async def finish(self, session_id: str, reason: str) -> None:
+        s = self.session(session_id)
+        if s.finished is None:
+            s.finished = reason
+        for m in [m for m in self.models.values() if m.session_id == session_id]:
+            await self._close_model(m, reason)
+
+    async def _close_model(self, m: Model, status: str) -> None:
+        self.models.pop(m.model_id, None)
+        for sid in [k for k, s in self.samplers.items() if s.trainer is m.trainer]:
+            del self.samplers[sid]
+        await asyncio.to_thread(m.trainer.close)
+        if self.tracker is not None:
+            await asyncio.to_thread(self.tracker.end_model, m.model_id, status)
+
+    # -- models -----------------------------------------------------------------------------
+    def _lora(self, cfg: types.LoraConfig | None) -> LoraShape:
+        cfg = cfg or types.LoraConfig(rank=32)
+        limit = self.runtime.info.get("max_lora_rank")
+        if not isinstance(cfg.rank, int) or cfg.rank < 1 or (limit and cfg.rank > limit):
+            raise Invalid(f"lora_config.rank {cfg.rank!r} cannot be hosted here: it must be 1..{limit or 'any'}",
+                          "lora_config.rank")
+        return LoraShape(cfg.rank, 0 if cfg.seed is None else int(cfg.seed), cfg.train_mlp, cfg.train_attn,
+                         cfg.train_unembed)
+
+    def create_model(self, req: types.CreateModelRequest) -> str:
+        """Starts creating a training client; returns the request id (its result: CreateModelResponse)."""
+        s = self.session(req.session_id)
+        base = self.check_base(req.base_model)
+        lora = self._lora(req.lora_config)
+        model_id = f"{s.session_id}:train:{req.model_seq_id}"
+        if model_id in self.models:
+            raise Invalid(f"model_seq_id {req.model_seq_id} already names {model_id!r} in this session", "model_seq_id")
+
+        async def work() -> Result:
+            await self._new_model(model_id, s, base, lora, dict(req.user_metadata or {}))
+            return types.CreateModelResponse(model_id=model_id).model_dump(mode="json")
+        return self.futures.run(work)
+
+    async def _new_model(self, model_id: str, s: Session, base: str, lora: LoraShape,
+                         user_metadata: dict[str, str]) -> Model:
+        trainer = await asyncio.to_thread(self.runtime.create, lora, base)
+        m = Model(model_id, s.session_id, base, lora, user_metadata, trainer,
+                  SeqQueue(self.futures, 1, self.gap_timeout_s))
+        self.models[model_id] = m
+        self._save_meta(m)
+        if self.tracker is not None:
+            await asyncio.to_thread(self.tracker.start_model, model_id, s.session_id, base, lora.as_dict(),
+                                    s.tags, {**s.user_metadata, **user_metadata})
+        return m
+
+    def info(self, model_id: str) -> types.GetInfoResponse:
+        m = self.model(model_id)
+        return types.GetInfoResponse(model_id=model_id, is_lora=True, lora_rank=m.lora.rank, model_name=m.base_model,
+                                     model_data=types.ModelData(arch=self.runtime.info.get("arch") or "causal_lm",
+                                                                model_name=m.base_model, tokenizer_id=m.base_model))
+
+    def training_run(self, model_id: str) -> types.TrainingRun:
+        meta = self._meta(model_id)
+        return types.TrainingRun(training_run_id=model_id, base_model=meta["base_model"], model_owner="local",
+                                 is_lora=True, lora_rank=meta["lora"]["rank"],
+                                 last_request_time=meta["last_request_time"],
+                                 last_checkpoint=_checkpoint(meta.get("last_checkpoint")),
+                                 last_sampler_checkpoint=_checkpoint(meta.get("last_sampler_checkpoint")),
+                                 user_metadata=meta.get("user_metadata") or None)
+
+    # -- ordered training calls -------------------------------------------------------------
+    def _ordered(self, model_id: str, seq_id: int | None, work: Callable[[Model], Any]) -> str:
+        m = self.model(model_id)
+        if seq_id is None:
+            raise Invalid("seq_id is missing: a training client's calls are ordered by it", "seq_id")
+        m.last_request_time = now_iso()
+
+        async def run() -> Result:
+            return await work(m)
+        return m.queue.submit(int(seq_id), run)
+
+    def forward_backward(self, call: wire.ForwardBackwardCall) -> str:
+        async def work(m: Model) -> Result:
+            vocab = self.runtime.info.get("vocab_size")
+            datums = [_datum(d, i, vocab, self.runtime.max_context) for i, d in enumerate(call.data)]
+            logprobs, metrics = await asyncio.to_thread(self.runtime.forward_backward, m.trainer, datums,
+                                                        call.loss.name, dict(call.loss.config), call.forward_only)
+            if not call.forward_only and self.tracker is not None:
+                await asyncio.to_thread(self.tracker.log_step, m.model_id, m.steps, metrics)
+            return Proto(wire.encode_forward_backward(logprobs, metrics))
+        return self._ordered(call.model_id, call.seq_id, work)
+
+    def optim_step(self, req: types.OptimStepRequest) -> str:
+        p = req.optim_params
+        adam = {"learning_rate": p.learning_rate, "beta1": p.beta1, "beta2": p.beta2, "eps": p.eps,
+                "weight_decay": p.weight_decay, "grad_clip_norm": p.grad_clip_norm}
+        for k, v in adam.items():
+            if not (isinstance(v, (int, float)) and v >= 0 and v == v and v != float("inf")):
+                raise Invalid(f"adam_params.{k} must be a finite number >= 0, got {v!r}", f"adam_params.{k}")
+
+        async def work(m: Model) -> Result:
+            metrics = await asyncio.to_thread(self.runtime.optim_step, m.trainer, adam)
+            m.steps += 1
+            if self.tracker is not None:
+                await asyncio.to_thread(self.tracker.log_step, m.model_id, m.steps, {f"optim/{k}": v for k, v in
+                                                                                     metrics.items()})
+            return types.OptimStepResponse(metrics={f"optim/{k}:mean" if ":" not in k else k: float(v)
+                                                    for k, v in metrics.items()}).model_dump(mode="json")
+        return self._ordered(req.model_id, req.seq_id, work)
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def checkpoint_dir(self, model_id: str, kind: str, name: str) -> Path:
+        return self.home / "checkpoints" / model_id / kind / name
+
+    def resolve(self, tinker_path: str, field_name: str = "path") -> tuple[str, str, str, Path]:
+        """(model_id, kind, name, directory) of a `tinker://` path this service wrote."""
+        try:
+            parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
+        except (ValueError, TypeError) as e:
+            raise Invalid(f"{field_name} {tinker_path!r} is not a tinker:// checkpoint path ({e})", field_name) from None
+        kind, name = parsed.checkpoint_id.split("/", 1)
+        check_name(name, field_name)
+        d = self.checkpoint_dir(parsed.training_run_id, kind, name)
+        if not (d / "record.json").exists():
+            raise NotFound(f"{field_name} {tinker_path!r}: no such checkpoint on this service", field_name)
+        return parsed.training_run_id, kind, name, d
+
+    def save_weights(self, req: types.SaveWeightsRequest) -> str:
+        return self._save(req.model_id, req.seq_id, "weights", check_name(req.path), req.overwrite,
+                          lambda path: types.SaveWeightsResponse(path=path))
+
+    def save_for_sampler(self, req: types.SaveWeightsForSamplerRequest) -> str:
+        if req.path is not None:
+            return self._save(req.model_id, req.seq_id, "sampler_weights", check_name(req.path), False,
+                              lambda path: types.SaveWeightsForSamplerResponseInternal(path=path))
+        if req.sampling_session_seq_id is None:
+            raise Invalid("save_weights_for_sampler needs a path or a sampling_session_seq_id", "path")
+
+        async def work(m: Model) -> Result:
+            adapter = await asyncio.to_thread(self.runtime.snapshot, m.trainer)
+            sid = f"{m.session_id}:sample:{req.sampling_session_seq_id}"
+            self.samplers[sid] = Sampler(sid, m.base_model, None, adapter, m.trainer)
+            return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sid).model_dump(mode="json")
+        return self._ordered(req.model_id, req.seq_id, work)
+
+    def _save(self, model_id: str, seq_id: int | None, kind: str, name: str, overwrite: bool,
+              response: Callable[[str], Any]) -> str:
+        path = f"tinker://{model_id}/{kind}/{name}"
+
+        async def work(m: Model) -> Result:
+            d = self.checkpoint_dir(model_id, kind, name)
+            if d.exists() and not overwrite:
+                raise Invalid(f"checkpoint {path} exists; save under another name or pass overwrite", "path")
+            record = {"tinker": {**m.meta(), "path": path, "kind": kind, "name": name, "saved_at": now_iso()}}
+            await asyncio.to_thread(self.runtime.save, m.trainer, d, record)
+            entry = {"checkpoint_id": f"{kind}/{name}", "checkpoint_type": "training" if kind == "weights" else
+                     "sampler", "time": now_iso(), "tinker_path": path, "size_bytes": _size(d), "public": False}
+            if kind == "weights":
+                m.last_checkpoint = entry
+            else:
+                m.last_sampler_checkpoint = entry
+            self._save_meta(m)
+            if self.tracker is not None:
+                await asyncio.to_thread(self.tracker.checkpoint_saved, model_id, kind, name, d, m.steps)
+            return response(path).model_dump(mode="json")
+        return self._ordered(model_id, seq_id, work)
+
+    def load_weights(self, req: types.LoadWeightsRequest) -> str:
+        src_model, kind, name, d = self.resolve(req.path)
+        if req.model_id is not None:
+            async def work(m: Model) -> Result:
+                record = await asyncio.to_thread(self.runtime.load, m.trainer, d, bool(req.optimizer))
+                m.steps = int(record.get("steps", m.steps))
+                return types.LoadWeightsResponse(path=req.path, model_id=m.model_id).model_dump(mode="json")
+            return self._ordered(req.model_id, req.seq_id, work)
+        s = self.session(req.session_id or "")
+        if req.model_seq_id is None:
+            raise Invalid("load_weights without a model_id needs a model_seq_id (create-by-load)", "model_seq_id")
+        meta = json.loads((d / "record.json").read_text()).get("record", {}).get("tinker") or self._meta(src_model)
+        base = self.check_base(req.base_model or meta["base_model"])
+        lora = LoraShape(**meta["lora"])
+        model_id = f"{s.session_id}:train:{req.model_seq_id}"
+
+        async def create() -> Result:
+            m = await self._new_model(model_id, s, base, lora, dict(req.user_metadata or meta.get("user_metadata")
+                                                                    or {}))
+            record = await asyncio.to_thread(self.runtime.load, m.trainer, d, bool(req.optimizer))
+            m.steps = int(record.get("steps", 0))
+            return types.LoadWeightsResponse(path=req.path, model_id=model_id).model_dump(mode="json")
+        return self.futures.run(create)
+
+    def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> None:
+        kind, _, name = checkpoint_id.partition("/")
+        if kind not in ("weights", "sampler_weights"):
+            raise Invalid(f"checkpoint_id {checkpoint_id!r} must be weights/NAME or sampler_weights/NAME",
+                          "checkpoint_id")
+        d = self.checkpoint_dir(model_id, kind, check_name(name, "checkpoint_id"))
+        if not d.exists():
+            raise NotFound(f"checkpoint {checkpoint_id!r} of {model_id!r} does not exist", "checkpoint_id")
+        import shutil
+
+        shutil.rmtree(d)
+
+    def checkpoints(self, model_id: str) -> list[types.Checkpoint]:
+        root = self.home / "checkpoints" / model_id
+        if not root.exists() and model_id not in self.models:
+            raise NotFound(f"training run {model_id!r} is unknown", "training_run_id")
+        out = []
+        for kind in ("weights", "sampler_weights"):
+            for d in sorted((root / kind).glob("*")) if (root / kind).exists() else []:
+                out.append(types.Checkpoint(checkpoint_id=f"{kind}/{d.name}", checkpoint_type="training" if kind ==
+                                            "weights" else "sampler", time=datetime.fromtimestamp(
+                                                d.stat().st_mtime, timezone.utc),
+                                            tinker_path=f"tinker://{model_id}/{kind}/{d.name}", size_bytes=_size(d),
+                                            public=False))
+        return out
+
+    # -- sampling ---------------------------------------------------------------------------
+    async def create_sampler(self, req: types.CreateSamplingSessionRequest) -> str:
+        s = self.session(req.session_id)
+        sid = f"{s.session_id}:sample:{req.sampling_session_seq_id}"
+        if req.model_path is None:
+            self.samplers[sid] = Sampler(sid, self.check_base(req.base_model), None, BASE)
+            return sid
+        model_id, _, _, d = self.resolve(req.model_path, "model_path")
+        meta = json.loads((d / "record.json").read_text()).get("record", {}).get("tinker") or self._meta(model_id)
+        adapter = await asyncio.to_thread(self.runtime.load_for_sampling, d, LoraShape(**meta["lora"]))
+        self.samplers[sid] = Sampler(sid, meta["base_model"], req.model_path, adapter)
+        return sid
+
+    def sample(self, req: types.SampleRequest) -> tuple[str, list[str]]:
+        s = self.sampler(req.sampling_session_id)
+        call = self._sample_call(s, req)
+        ids = [f"{req.sampling_session_id}:{req.seq_id}:{i}" for i in range(req.num_samples)]
+
+        async def work() -> Result:
+            reply = await asyncio.to_thread(self.runtime.sample, s.trainer.conn if s.trainer else None, call)
+            return Proto(wire.encode_sample(*_sequences(reply, req)))
+        return self.futures.run(work), ids
+
+    def _sample_call(self, s: Sampler, req: types.SampleRequest) -> M.SampleCall:
+        p = req.sampling_params
+        prompt = req.prompt.to_ints() if hasattr(req.prompt, "to_ints") else list(req.prompt)
+        unsupported = [k for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
+                       if getattr(req, k, 0)] + (["target_prompt_logprobs"] if req.target_prompt_logprobs else [])
+        if unsupported:
+            raise Invalid(f"{unsupported[0]} is not supported by this service", unsupported[0])
+        if not 1 <= req.num_samples <= 256:
+            raise Invalid(f"num_samples must be 1..256, got {req.num_samples}", "num_samples")
+        stop = p.stop if isinstance(p.stop, list) else ([p.stop] if p.stop else [])
+        return M.SampleCall(adapter=s.adapter, prompts=[prompt], max_new_tokens=int(p.max_tokens or 16),
+                            temperature=float(p.temperature), top_k=0 if p.top_k in (None, -1) else int(p.top_k),
+                            top_p=float(p.top_p), stop=[x for x in stop if isinstance(x, str)],
+                            stop_token_ids=[x for x in stop if isinstance(x, int)], seed=p.seed,
+                            num_samples=int(req.num_samples), prompt_logprobs=bool(req.prompt_logprobs))
+
+    # -- persistence ------------------------------------------------------------------------
+    def _save_meta(self, m: Model) -> None:
+        path = self.home / "runs" / f"{m.model_id}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(m.meta()))
+        tmp.replace(path)
+
+    def _meta(self, model_id: str) -> dict[str, Any]:
+        if model_id in self.models:
+            return self.models[model_id].meta()
+        path = self.home / "runs" / f"{model_id}.json"
+        if "/" in model_id or not path.exists():
+            raise NotFound(f"training run {model_id!r} is unknown to this service", "training_run_id")
+        return json.loads(path.read_text())
+
+
+def _checkpoint(entry: dict[str, Any] | None) -> types.Checkpoint | None:
+    return None if entry is None else types.Checkpoint.model_validate(entry)
+
+
+def _size(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+
+
+def _datum(d: wire.TinkerDatum, i: int, vocab: int | None, max_context: int | None) -> Datum:
+    from tinker_pipelines.algorithms.tinker_losses import datum_from_tinker
+
+    if max_context is not None and len(d.tokens) > max_context:
+        raise Invalid(f"data[{i}].model_input has {len(d.tokens)} tokens, beyond the model's context of "
+                      f"{max_context}", f"data[{i}].model_input")
+    if vocab is not None:
+        targets = d.inputs["target_tokens"].tolist()
+        bad = next((t for t in (*d.tokens, *targets) if not 0 <= t < vocab), None)
+        if bad is not None:
+            where = "model_input" if bad in d.tokens else "loss_fn_inputs.target_tokens"
+            raise Invalid(f"data[{i}].{where} has token id {bad}, outside the vocabulary [0, {vocab})",
+                          f"data[{i}].{where}")
+    return datum_from_tinker(d.tokens, d.inputs)
+
+
+def _sequences(reply: M.SampleReply, req: types.SampleRequest) -> tuple[list[wire.Sequence], list | None]:
+    seqs = [wire.Sequence(list(s.tokens), list(s.logprobs), s.stop_reason != "length") for s in reply.samples]
+    prompt_lp = reply.prompt_logprobs[0] if req.prompt_logprobs and reply.prompt_logprobs else None
+    return seqs, prompt_lp

@@ -37,7 +37,7 @@ def service(tmp_path_factory):
 def client(service):
     sc = tinker.ServiceClient(base_url=service.url, api_key=KEY)
     yield sc
-    sc.holder.close() if hasattr(sc, "holder") else None
+    sc.close()
 
 
 def _sft_datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:

@@ -27,6 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body accepted")
     s.add_argument("--gap-timeout-s", type=float, default=60.0,
                    help="how long a training call waits for the seq_id before it before failing")
+    s.add_argument("--ledger", default="",
+                   help="the device ledger shared with Dagster's GPU executor (default: "
+                        "$DAGSTER_HOME/tinker_devices.sqlite when DAGSTER_HOME is set)")
+    s.add_argument("--memory-gb", type=float, default=16.0,
+                   help="GB of device memory the worker's lease reserves (base, adapters, activations)")
+    s.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank a client may ask for")
     s.add_argument("--no-tracking", action="store_true",
                    help="no MLflow runs or registered checkpoints (checkpoints are still written to --home)")
     s.set_defaults(func=cmd_tinker_serve)
@@ -44,8 +50,9 @@ def _settings(args: argparse.Namespace):
     check_host(args.host, key)
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
-    if not args.max_body_mb > 0 or not args.gap_timeout_s > 0:
-        raise ValueError("--max-body-mb and --gap-timeout-s must be > 0")
+    for name in ("max_body_mb", "gap_timeout_s", "memory_gb", "max_lora_rank"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     from tinker_pipelines.models import check_model_name
 
     check_model_name(args.model)
@@ -66,7 +73,8 @@ def cmd_tinker_serve(args: argparse.Namespace) -> int:
         if not args.no_tracking:
             tracker = _tracker(Path(args.home))
         handle = start_service(args.model, args.port, Path(args.home), settings.api_key, args.host, args.device,
-                               args.dtype, tracker=tracker, gap_timeout_s=args.gap_timeout_s, settings=settings)
+                               args.dtype, tracker=tracker, gap_timeout_s=args.gap_timeout_s, settings=settings,
+                               lease=_lease(args), max_lora_rank=args.max_lora_rank)
     except (ValueError, WorkerError, RuntimeError, OSError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
@@ -79,6 +87,23 @@ def cmd_tinker_serve(args: argparse.Namespace) -> int:
     finally:
         handle.stop()
     return 0
+
+
+def _lease(args: argparse.Namespace):
+    """The worker's device lease: on the ledger Dagster's executor uses, over the detected GPUs."""
+    from tinker_pipelines.scheduler.ledger import LEDGER_FILE
+    from tinker_pipelines.scheduler.inventory import Inventory
+    from tinker_pipelines.serving.tinker.launch import DeviceLease
+
+    ledger = args.ledger or (str(Path(os.environ["DAGSTER_HOME"]) / LEDGER_FILE) if os.environ.get("DAGSTER_HOME")
+                             else "")
+    if not ledger:
+        return None
+    inventory = Inventory.detect()
+    if len(inventory) == 0:
+        print("warning: no GPU to lease; the worker runs on the CPU without a device lease", file=sys.stderr)
+        return None
+    return DeviceLease(ledger, inventory, args.memory_gb)
 
 
 def _tracker(home: Path):

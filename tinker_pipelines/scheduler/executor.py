@@ -26,6 +26,7 @@ from dagster._core.execution.retries import RetryMode, get_retries_config
 from dagster._core.executor.step_delegating import (CheckStepHealthResult, StepDelegatingExecutor, StepHandler,
                                                     StepHandlerContext)
 
+from tinker_pipelines.scheduler.ledger import LEDGER_FILE  # noqa: F401 (re-exported: the executor's default)
 from tinker_pipelines.scheduler.inventory import Inventory, InventoryError
 from tinker_pipelines.scheduler.placement import StepNeeds, check_fits, needs_from_tags
 from tinker_pipelines.scheduler.step_entry import NEVER_FITS_EXIT
@@ -35,8 +36,6 @@ POLL_INTERVAL_S = 0.02
 """Default tick of the executor's loop: each tick reads the run's new events (one sqlite query,
 ~1 ms); at Dagster's default of 1 s, or 0.1 s, waiting for a tick was a visible part of a
 few-second RL iteration's three step hand-offs."""
-LEDGER_FILE = "tinker_devices.sqlite"
-"""The device ledger's file name, in the Dagster instance's root directory by default."""
 
 
 def step_needs(tags: dict[str, str], run_config: dict[str, Any]) -> StepNeeds | None:

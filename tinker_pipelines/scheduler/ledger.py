@@ -61,6 +61,11 @@ _LEASE_COLS = "id, devices, n_devices, memory_gb, sharing, pid, start_time, host
 _AUDIT_COLS = "seq, at, event, lease_id, devices, n_devices, memory_gb, sharing, pid, host, run_id, step_key, reason"
 
 
+LEDGER_FILE = "tinker_devices.sqlite"
+"""The device ledger's file name, in the Dagster instance's root directory by default (the
+executor's and the Tinker service's)."""
+
+
 class LeaseLost(RuntimeError):
     """The lease is no longer in the ledger (released, or expired because its owner looked dead)."""
 

@@ -254,13 +254,27 @@ def set_generator_state(generator: torch.Generator, state: bytes | None) -> None
     generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
 
+def _parent_death_signal() -> None:
+    """In the forked child, before exec: SIGTERM when the parent thread exits (prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal as _signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, _signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def start_worker(model: str, address: str | Path, device: str = "auto", dtype: str = "auto",
-                 extra: list[str] | None = None, timeout_s: float = 300.0, log: str | Path | None = None) -> subprocess.Popen:
-    """Start `tinker-pipelines worker` in its own session and wait until it accepts clients."""
+                 extra: list[str] | None = None, timeout_s: float = 300.0, log: str | Path | None = None,
+                 env: dict[str, str] | None = None, die_with_parent: bool = False) -> subprocess.Popen:
+    """Start `tinker-pipelines worker` in its own session and wait until it accepts clients.
+    `env` is added to this process's environment. With `die_with_parent`, the worker gets
+    SIGTERM when this process dies, even by SIGKILL (Linux's parent-death signal), so a killed
+    service does not leave its worker holding the device."""
     cmd = [sys.executable, "-m", "tinker_pipelines", "worker", "--model", model, "--socket", str(address),
            "--device", device, "--dtype", dtype, *(extra or [])]
     out = open(log, "ab") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True,
+                            env={**os.environ, **env} if env else None,
+                            preexec_fn=_parent_death_signal if die_with_parent else None)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -45,6 +45,35 @@ def base_aliases(model: str) -> tuple[str, ...]:
     return (str(p.resolve()), p.name) if p.is_dir() else ()
 
 
+@dataclass(frozen=True)
+class DeviceLease:
+    """Where the service's worker may run, from the scheduler's ledger (the one Dagster's
+    executor uses), so Dagster steps and Tinker clients never over-subscribe a device together."""
+
+    ledger_path: str
+    inventory: Any
+    """A `scheduler.inventory.Inventory` (detected, configured, or simulated in tests)."""
+    memory_gb: float
+    """What the worker reserves on its device: the base, its adapters and activations."""
+    timeout_s: float | None = 600.0
+
+
+def take_lease(spec: DeviceLease | None) -> tuple[Any, dict[str, str]]:
+    """(the lease or None, the worker's extra environment). A 'lora' lease: other LoRA work may
+    share the device, an exclusive step waits until the service stops. No devices, no lease."""
+    if spec is None or len(spec.inventory) == 0:
+        return None, {}
+    from tinker_pipelines.scheduler.inventory import lease_visible_devices
+    from tinker_pipelines.scheduler.ledger import Ledger, LeaseOwner
+    from tinker_pipelines.scheduler.placement import StepNeeds
+
+    lease = Ledger(spec.ledger_path).acquire(LeaseOwner.current(step_key="tinker-service"),
+                                             StepNeeds(1, spec.memory_gb, "lora"), spec.inventory,
+                                             timeout_s=spec.timeout_s, poll_s=0.5)
+    visible = lease_visible_devices(spec.inventory, lease.devices)
+    return lease, ({"CUDA_VISIBLE_DEVICES": visible} if visible is not None else {})
+
+
 @dataclass
 class ServiceHandle:
     """A running service: its base URL (the SDK's `base_url`), worker and HTTP server."""
@@ -54,6 +83,9 @@ class ServiceHandle:
     service: Service
     _uvicorn: Any
     _thread: threading.Thread
+    lease: Any = None
+    """The device lease the worker runs under (None without devices to lease)."""
+    ledger_path: str | None = None
 
     @property
     def worker_pid(self) -> int:
@@ -73,17 +105,21 @@ class ServiceHandle:
                 self.worker.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.worker.kill()
+        if self.lease is not None:
+            from tinker_pipelines.scheduler.ledger import Ledger
+
+            Ledger(self.ledger_path).release(self.lease)
 
 
 def build_app(model: str, worker_address: Path, home: Path, settings: TinkerSettings, tracker: Any = None,
-              gap_timeout_s: float = 60.0) -> tuple[Any, Service]:
+              gap_timeout_s: float = 60.0, max_lora_rank: int = 64) -> tuple[Any, Service]:
     """The app: the OpenAI endpoint over the worker, with Tinker's routes added."""
     from tinker_pipelines.serving.app import build_app as build_openai_app
 
     runtime = Runtime(worker_address, home / "scratch")
     (home / "scratch").mkdir(parents=True, exist_ok=True)
     service = Service(runtime, model, home, tracker=tracker, gap_timeout_s=gap_timeout_s,
-                      base_aliases=base_aliases(model))
+                      base_aliases=base_aliases(model), max_lora_rank=max_lora_rank)
     server = build_server(model=model, worker=str(worker_address), use_registry=tracker is not None,
                           registry=getattr(tracker, "registry", None))
     return add_tinker_routes(build_openai_app(server), service, settings), service
@@ -92,8 +128,9 @@ def build_app(model: str, worker_address: Path, home: Path, settings: TinkerSett
 def start_service(model: str, port: int = 0, home: Path | None = None, api_key: str | None = None,
                   host: str = DEFAULT_HOST, device: str = "auto", dtype: str = "auto", tracker: Any = None,
                   gap_timeout_s: float = 60.0, worker_args: list[str] | None = None,
-                  settings: TinkerSettings | None = None) -> ServiceHandle:
-    """Start a worker for `model` and serve it in a thread of this process."""
+                  settings: TinkerSettings | None = None, lease: DeviceLease | None = None,
+                  max_lora_rank: int = 64) -> ServiceHandle:
+    """Start a worker for `model` under a device lease and serve it in a thread of this process."""
     import tempfile
 
     import uvicorn
@@ -104,10 +141,20 @@ def start_service(model: str, port: int = 0, home: Path | None = None, api_key: 
     home = Path(home or tempfile.mkdtemp(prefix="tinker-service-"))
     home.mkdir(parents=True, exist_ok=True)
     address = home / "worker.sock"
-    worker = start_worker(model, address, device=device, dtype=dtype, extra=worker_args, log=home / "worker.log")
+    held, env = take_lease(lease)
+    extra = ["--max-lora-rank", str(max_lora_rank), *(worker_args or [])]
+    try:
+        worker = start_worker(model, address, device=device, dtype=dtype, extra=extra, log=home / "worker.log",
+                              env=env, die_with_parent=True)
+    except BaseException:
+        if held is not None:
+            from tinker_pipelines.scheduler.ledger import Ledger
+
+            Ledger(lease.ledger_path).release(held)
+        raise
     try:
         settings = settings or TinkerSettings(api_key=api_key)
-        app, service = build_app(model, address, home, settings, tracker, gap_timeout_s)
+        app, service = build_app(model, address, home, settings, tracker, gap_timeout_s, max_lora_rank)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
@@ -119,7 +166,7 @@ def start_service(model: str, port: int = 0, home: Path | None = None, api_key: 
     except BaseException:
         worker.kill()
         raise
-    return ServiceHandle(url, worker, service, server, thread)
+    return ServiceHandle(url, worker, service, server, thread, held, lease.ledger_path if lease else None)
 
 
 def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:

@@ -110,7 +110,7 @@ class Service:
     """Every session, model and sampler of one base model on one worker."""
 
     def __init__(self, runtime: Runtime, base_model: str, home: Path, tracker: Any = None,
-                 gap_timeout_s: float = 60.0, base_aliases: tuple[str, ...] = ()):
+                 gap_timeout_s: float = 60.0, base_aliases: tuple[str, ...] = (), max_lora_rank: int = 64):
         self.runtime = runtime
         self.base_model = base_model
         """The name clients pass as `base_model` (a catalogue name or a model directory)."""
@@ -119,6 +119,8 @@ class Service:
         self.tracker = tracker
         """A `lineage.TinkerTracker` (MLflow runs, registry, Dagster), or None."""
         self.gap_timeout_s = gap_timeout_s
+        self.max_lora_rank = max_lora_rank
+        """The largest rank the worker hosts (its --max-lora-rank)."""
         self.futures = Futures()
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
@@ -179,10 +181,9 @@ class Service:
     # -- models -----------------------------------------------------------------------------
     def _lora(self, cfg: types.LoraConfig | None) -> LoraShape:
         cfg = cfg or types.LoraConfig(rank=32)
-        limit = self.runtime.info.get("max_lora_rank")
-        if not isinstance(cfg.rank, int) or cfg.rank < 1 or (limit and cfg.rank > limit):
-            raise Invalid(f"lora_config.rank {cfg.rank!r} cannot be hosted here: it must be 1..{limit or 'any'}",
-                          "lora_config.rank")
+        if not isinstance(cfg.rank, int) or not 1 <= cfg.rank <= self.max_lora_rank:
+            raise Invalid(f"lora_config.rank {cfg.rank!r} cannot be hosted here: this worker hosts ranks 1.."
+                          f"{self.max_lora_rank}", "lora_config.rank")
         return LoraShape(cfg.rank, 0 if cfg.seed is None else int(cfg.seed), cfg.train_mlp, cfg.train_attn,
                          cfg.train_unembed)
 

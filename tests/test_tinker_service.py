@@ -7,6 +7,7 @@ own session and training clients, which is also how several users share one serv
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -37,7 +38,7 @@ def service(tmp_path_factory):
 def client(service):
     sc = tinker.ServiceClient(base_url=service.url, api_key=KEY)
     yield sc
-    sc.close()
+    sc.close("success").result()
 
 
 def _sft_datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
@@ -77,7 +78,7 @@ def _local_datums(data: list[types.Datum]):
 
 
 def test_cross_entropy_step_equals_the_in_process_learner_exactly(client, tmp_path):
-    tc = client.create_lora_training_client("tiny", rank=4, seed=3)
+    tc = client.create_lora_training_client("tiny", rank=4, seed=3).result()
     fb = tc.forward_backward(DATA, "cross_entropy").result()
     tc.optim_step(ADAM).result()
     fb2 = tc.forward_backward(DATA, "cross_entropy").result()
@@ -98,7 +99,7 @@ def test_cross_entropy_step_equals_the_in_process_learner_exactly(client, tmp_pa
 
 
 def test_sample_equals_the_in_process_sampler_at_the_same_seed(client):
-    sc = client.create_sampling_client(base_model="tiny")
+    sc = client.create_sampling_client(base_model="tiny").result()
     prompt = types.ModelInput.from_ints([3, 4, 5, 6])
     params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=1234)
     a = sc.sample(prompt, num_samples=2, sampling_params=params).result()
@@ -109,8 +110,8 @@ def test_sample_equals_the_in_process_sampler_at_the_same_seed(client):
 
 
 def test_prompt_logprobs_match_forward(client):
-    tc = client.create_lora_training_client("tiny", rank=4, seed=1)
-    sc = tc.save_weights_and_get_sampling_client()
+    tc = client.create_lora_training_client("tiny", rank=4, seed=1).result()
+    sc = tc.save_weights_and_get_sampling_client().result()
     tokens = [5, 9, 13, 21, 34]
     lps = sc.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
     assert lps[0] is None and len(lps) == len(tokens)
@@ -120,7 +121,7 @@ def test_prompt_logprobs_match_forward(client):
 
 
 def test_save_and_load_state_resume_bit_for_bit(client):
-    tc = client.create_lora_training_client("tiny", rank=4, seed=5)
+    tc = client.create_lora_training_client("tiny", rank=4, seed=5).result()
     tc.forward_backward(DATA, "cross_entropy").result()
     tc.optim_step(ADAM).result()
     path = tc.save_state("after-one").result().path
@@ -129,7 +130,7 @@ def test_save_and_load_state_resume_bit_for_bit(client):
     tc.optim_step(ADAM).result()
     want = tc.forward_backward(DATA, "cross_entropy").result().metrics["loss:sum"]
 
-    resumed = client.create_training_client_from_state_with_optimizer(path)
+    resumed = client.create_training_client_from_state_with_optimizer(path).result()
     resumed.forward_backward(DATA, "cross_entropy").result()
     resumed.optim_step(ADAM).result()
     assert resumed.forward_backward(DATA, "cross_entropy").result().metrics["loss:sum"] == want
@@ -150,10 +151,10 @@ def _train(tc, steps: int, loss: str = "importance_sampling") -> list[float]:
 
 
 def test_two_clients_interleaved_end_exactly_as_alone(client):
-    alone_a = _train(client.create_lora_training_client("tiny", rank=4, seed=11), 3)
-    alone_b = _train(client.create_lora_training_client("tiny", rank=8, seed=12), 3, "ppo")
-    a = client.create_lora_training_client("tiny", rank=4, seed=11)
-    b = client.create_lora_training_client("tiny", rank=8, seed=12)
+    alone_a = _train(client.create_lora_training_client("tiny", rank=4, seed=11).result(), 3)
+    alone_b = _train(client.create_lora_training_client("tiny", rank=8, seed=12).result(), 3, "ppo")
+    a = client.create_lora_training_client("tiny", rank=4, seed=11).result()
+    b = client.create_lora_training_client("tiny", rank=8, seed=12).result()
     data = [_rl_datum([5, 9, 13, 21, 34, 55], 1), _rl_datum([7, 8, 9, 10], 2)]
     got_a, got_b = [], []
     for _ in range(3):
@@ -166,7 +167,7 @@ def test_two_clients_interleaved_end_exactly_as_alone(client):
 
 
 def test_bad_requests_name_the_field_and_the_service_keeps_serving(client):
-    tc = client.create_lora_training_client("tiny", rank=4, seed=2)
+    tc = client.create_lora_training_client("tiny", rank=4, seed=2).result()
     bad_loss = [_sft_datum([5, 6, 7])]
     with pytest.raises(tinker.BadRequestError, match="loss_fn_inputs.logprobs is missing"):
         tc.forward_backward(bad_loss, "importance_sampling").result()
@@ -175,6 +176,54 @@ def test_bad_requests_name_the_field_and_the_service_keeps_serving(client):
     with pytest.raises((tinker.RequestFailedError, tinker.BadRequestError), match="vocabulary"):
         tc.forward_backward([_sft_datum([5, 6, 10_000_000])], "cross_entropy").result()
     with pytest.raises(tinker.BadRequestError, match="not served here"):
-        client.create_lora_training_client("no-such-model", rank=4)
+        client.create_lora_training_client("no-such-model", rank=4).result()
     # the same client still trains
     assert tc.forward_backward(DATA, "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_a_service_killed_with_sigkill_restarts_and_loads_the_last_checkpoint(tmp_path):
+    import signal
+
+
+    from tinker_pipelines.serving.tinker.launch import start_service_process
+
+    args = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--no-tracking"]
+    proc, url = start_service_process(args, tmp_path)
+    try:
+        with tinker.ServiceClient(base_url=url, api_key=KEY) as sc:
+            tc = sc.create_lora_training_client("tiny", rank=4, seed=7).result()
+            tc.forward_backward(DATA, "cross_entropy").result()
+            tc.optim_step(ADAM).result()
+            path = tc.save_state("last").result().path
+            want = tc.forward_backward(DATA, "cross_entropy").result().metrics["loss:sum"]
+            worker_pid = int((tmp_path / "worker.pid").read_text())
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    for _ in range(100):  # the worker goes with its service (parent-death signal)
+        if _gone(worker_pid):
+            break
+        time.sleep(0.1)
+    assert _gone(worker_pid)
+    proc, url = start_service_process(args, tmp_path)
+    try:
+        with tinker.ServiceClient(base_url=url, api_key=KEY) as sc:
+            resumed = sc.create_training_client_from_state_with_optimizer(path).result()
+            assert resumed.forward_backward(DATA, "cross_entropy").result().metrics["loss:sum"] == want
+            run = sc.create_rest_client().get_training_run_by_tinker_path(path).result()
+            assert run.last_checkpoint is not None and run.last_checkpoint.tinker_path == path
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie nobody has reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True

@@ -152,6 +152,7 @@ def start_service(model: str, port: int = 0, home: Path | None = None, api_key: 
 
             Ledger(lease.ledger_path).release(held)
         raise
+    (home / "worker.pid").write_text(str(worker.pid))
     try:
         settings = settings or TinkerSettings(api_key=api_key)
         app, service = build_app(model, address, home, settings, tracker, gap_timeout_s, max_lora_rank)

@@ -296,8 +296,11 @@ class Service:
         if req.sampling_session_seq_id is None:
             raise Invalid("save_weights_for_sampler needs a path or a sampling_session_seq_id", "path")
 
+        inflight = getattr(req, "kind", "snapshot") == "inflight"
+
         async def work(m: Model) -> Result:
-            adapter = await asyncio.to_thread(self.runtime.snapshot, m.trainer)
+            # inflight: the client asked for the live weights, which its next optim_step changes
+            adapter = m.trainer.adapter if inflight else await asyncio.to_thread(self.runtime.snapshot, m.trainer)
             sid = f"{m.session_id}:sample:{req.sampling_session_seq_id}"
             self.samplers[sid] = Sampler(sid, m.base_model, None, adapter, m.trainer)
             return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sid).model_dump(mode="json")

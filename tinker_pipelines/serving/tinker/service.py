@@ -25,6 +25,7 @@ from tinker import types
 from tinker_pipelines.serving.tinker import wire
 from tinker_pipelines.serving.tinker.futures import Futures, Proto, Result, SeqQueue
 from tinker_pipelines.serving.tinker.runtime import LoraShape, Runtime, Trainer
+from tinker_pipelines.serving.tinker.sampling import Answer, SampleBatcher
 from tinker_pipelines.rollout.samples import BASE
 from tinker_pipelines.types import Datum
 from tinker_pipelines.worker import messages as M
@@ -122,6 +123,7 @@ class Service:
         self.max_lora_rank = max_lora_rank
         """The largest rank the worker hosts (its --max-lora-rank)."""
         self.futures = Futures()
+        self.batcher = SampleBatcher(lambda conn, call: conn.sample(call))
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, Sampler] = {}
@@ -397,8 +399,8 @@ class Service:
         ids = [f"{req.sampling_session_id}:{req.seq_id}:{i}" for i in range(req.num_samples)]
 
         async def work() -> Result:
-            reply = await asyncio.to_thread(self.runtime.sample, s.trainer.conn if s.trainer else None, call)
-            return Proto(wire.encode_sample(*_sequences(reply, req)))
+            answer = await self.batcher.sample(s.trainer.conn if s.trainer else self.runtime.shared, call)
+            return Proto(wire.encode_sample(*_sequences(answer, req)))
         return self.futures.run(work), ids
 
     def _sample_call(self, s: Sampler, req: types.SampleRequest) -> M.SampleCall:
@@ -457,7 +459,7 @@ def _datum(d: wire.TinkerDatum, i: int, vocab: int | None, max_context: int | No
     return datum_from_tinker(d.tokens, d.inputs)
 
 
-def _sequences(reply: M.SampleReply, req: types.SampleRequest) -> tuple[list[wire.Sequence], list | None]:
-    seqs = [wire.Sequence(list(s.tokens), list(s.logprobs), s.stop_reason != "length") for s in reply.samples]
-    prompt_lp = reply.prompt_logprobs[0] if req.prompt_logprobs and reply.prompt_logprobs else None
+def _sequences(answer: Answer, req: types.SampleRequest) -> tuple[list[wire.Sequence], list | None]:
+    seqs = [wire.Sequence(list(s.tokens), list(s.logprobs), s.stop_reason != "length") for s in answer.samples]
+    prompt_lp = answer.prompt_logprobs[0] if req.prompt_logprobs and answer.prompt_logprobs else None
     return seqs, prompt_lp

@@ -1,0 +1,119 @@
+"""Concurrent `asample` calls merged into one worker call.
+
+A recipe samples a whole batch at once: tinker-cookbook's RL loop sends one `asample` per
+prompt (each with `num_samples` = the group size) and awaits them together. Sent one by one,
+each would be a decode of its own; merged, the batch decodes as one (the decode loop's cost is
+per step, nearly whatever the rows). Calls merge when they sample the same adapter with the
+same settings and bring no seed of their own (a seeded call's tokens must not depend on its
+neighbours, so it is sent alone). Each connection sends one merged call at a time; the calls
+that arrive meanwhile merge into the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from tinker_pipelines.worker import messages as M
+
+
+@dataclass
+class _Pending:
+    call: M.SampleCall
+    future: asyncio.Future
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One call's share of a merged reply."""
+
+    samples: list
+    prompt_logprobs: list | None
+
+
+_unique = itertools.count()
+
+
+def merge_key(call: M.SampleCall) -> tuple:
+    """Calls with equal keys may be sent as one (prompts concatenated)."""
+    if call.seed is not None:
+        return ("seeded", next(_unique))
+    fields = {f: getattr(call, f) for f in call.__struct_fields__ if f not in ("prompts",)}
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(fields.items()))
+
+
+class SampleBatcher:
+    """Merges calls per connection; `send(conn, call)` runs one worker call in a thread."""
+
+    def __init__(self, send: Callable[[Any, M.SampleCall], M.SampleReply], max_rows: int = 256):
+        self.send = send
+        self.max_rows = max_rows
+        """Most rows (prompts x num_samples) in one merged call (the worker's --max-rows)."""
+        self._queues: dict[int, list[_Pending]] = {}
+        self._conns: dict[int, Any] = {}
+        self._busy: set[int] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self.calls = 0
+        """Worker calls sent (a benchmark compares it with the requests)."""
+
+    async def sample(self, conn: Any, call: M.SampleCall) -> Answer:
+        key = id(conn)
+        fut = asyncio.get_running_loop().create_future()
+        self._queues.setdefault(key, []).append(_Pending(call, fut))
+        self._conns[key] = conn
+        if key not in self._busy:
+            self._busy.add(key)
+            task = asyncio.ensure_future(self._drain(key))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return await fut
+
+    def _take(self, key: int) -> list[_Pending]:
+        queue = self._queues[key]
+        first = merge_key(queue[0].call)
+        group, rest, rows = [], [], 0
+        for p in queue:
+            n = len(p.call.prompts) * p.call.num_samples
+            if merge_key(p.call) == first and (not group or rows + n <= self.max_rows):
+                group.append(p)
+                rows += n
+            else:
+                rest.append(p)
+        self._queues[key] = rest
+        return group
+
+    async def _drain(self, key: int) -> None:
+        try:
+            while self._queues.get(key):
+                group = self._take(key)
+                merged = dataclasses.replace(group[0].call, prompts=[q for p in group for q in p.call.prompts]) \
+                    if len(group) > 1 else group[0].call
+                self.calls += 1
+                try:
+                    reply = await asyncio.to_thread(self.send, self._conns[key], merged)
+                except Exception as e:  # noqa: BLE001 - every call of the group gets the error
+                    for p in group:
+                        if not p.future.done():
+                            p.future.set_exception(e)
+                    continue
+                self._split(group, reply)
+        finally:
+            self._busy.discard(key)
+            self._queues.pop(key, None)
+            self._conns.pop(key, None)
+
+    @staticmethod
+    def _split(group: list[_Pending], reply: M.SampleReply) -> None:
+        """Samples come prompt by prompt, `num_samples` each; prompt logprobs one list per prompt."""
+        s, q = 0, 0
+        for p in group:
+            n_prompts = len(p.call.prompts)
+            n = n_prompts * p.call.num_samples
+            plp = reply.prompt_logprobs[q:q + n_prompts] if reply.prompt_logprobs else None
+            if not p.future.done():
+                p.future.set_result(Answer(list(reply.samples[s:s + n]), plp))
+            s += n
+            q += n_prompts

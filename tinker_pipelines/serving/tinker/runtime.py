@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from tinker_pipelines.worker import WorkerError
-from tinker_pipelines.worker import messages as M
 from tinker_pipelines.worker.client import WorkerClient
 
 LORA_ALPHA = 32.0
@@ -149,9 +148,6 @@ class Runtime:
             self.shared.drop(name)
             raise
         return name
-
-    def sample(self, conn: WorkerClient | None, call: M.SampleCall) -> M.SampleReply:
-        return (conn or self.shared).sample(call)
 
     def close(self) -> None:
         self.shared.close()

@@ -12,10 +12,11 @@ that arrive meanwhile merge into the next.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import msgspec
 
 from tinker_pipelines.worker import messages as M
 
@@ -89,7 +90,7 @@ class SampleBatcher:
         try:
             while self._queues.get(key):
                 group = self._take(key)
-                merged = dataclasses.replace(group[0].call, prompts=[q for p in group for q in p.call.prompts]) \
+                merged = msgspec.structs.replace(group[0].call, prompts=[q for p in group for q in p.call.prompts]) \
                     if len(group) > 1 else group[0].call
                 self.calls += 1
                 try:

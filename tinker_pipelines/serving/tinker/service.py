@@ -111,7 +111,8 @@ class Service:
     """Every session, model and sampler of one base model on one worker."""
 
     def __init__(self, runtime: Runtime, base_model: str, home: Path, tracker: Any = None,
-                 gap_timeout_s: float = 60.0, base_aliases: tuple[str, ...] = (), max_lora_rank: int = 64):
+                 gap_timeout_s: float = 60.0, base_aliases: tuple[str, ...] = (), max_lora_rank: int = 64,
+                 session_ttl_s: float = 600.0):
         self.runtime = runtime
         self.base_model = base_model
         """The name clients pass as `base_model` (a catalogue name or a model directory)."""
@@ -121,6 +122,10 @@ class Service:
         """A `lineage.TinkerTracker` (MLflow runs, registry, Dagster), or None."""
         self.gap_timeout_s = gap_timeout_s
         self.max_lora_rank = max_lora_rank
+        self.session_ttl_s = session_ttl_s
+        """A session without a heartbeat for this long is finished and its adapters freed (the SDK
+        beats every 10 s while its process lives)."""
+        self._reaper: asyncio.Task | None = None
         """The largest rank the worker hosts (its --max-lora-rank)."""
         self.futures = Futures()
         self.batcher = SampleBatcher(lambda conn, call: conn.sample(call))
@@ -160,7 +165,18 @@ class Service:
     def create_session(self, req: types.CreateSessionRequest) -> types.CreateSessionResponse:
         sid = f"s{secrets.token_hex(6)}"
         self.sessions[sid] = Session(sid, list(req.tags or []), dict(req.user_metadata or {}))
+        if self._reaper is None:
+            self._reaper = asyncio.ensure_future(self._reap())
         return types.CreateSessionResponse(session_id=sid)
+
+    async def _reap(self) -> None:
+        """Finish sessions whose client went away without saying so (killed, lost network)."""
+        while True:
+            await asyncio.sleep(min(30.0, self.session_ttl_s / 4))
+            now = time.monotonic()
+            for s in [s for s in self.sessions.values() if s.finished is None
+                      and now - s.last_heartbeat > self.session_ttl_s]:
+                await self.finish(s.session_id, "expired")
 
     def heartbeat(self, session_id: str) -> None:
         self.session(session_id).last_heartbeat = time.monotonic()

@@ -16,7 +16,7 @@ import torch
 import tinker
 from tinker import types
 
-from tinker_pipelines.algorithms.tinker_losses import TinkerLossFn, datum_from_tinker, tinker_loss
+from tinker_pipelines.algorithms.tinker_losses import datum_from_tinker, tinker_loss
 from tinker_pipelines.serving.tinker.launch import start_service
 from tinker_pipelines.serving.tinker.runtime import LoraShape
 from tinker_pipelines.models import load_model
@@ -84,16 +84,17 @@ def test_cross_entropy_step_equals_the_in_process_learner_exactly(client, tmp_pa
     fb2 = tc.forward_backward(DATA, "cross_entropy").result()
 
     local = _local_learner(LoraShape(4, 3))
-    loss = TinkerLossFn(tinker_loss("cross_entropy"))
-    m1 = local.forward_backward(_local_datums(DATA), loss, loss.loss_config())
+    loss = tinker_loss("cross_entropy")
+    lp1, m1 = local.tinker_forward_backward(_local_datums(DATA), loss)
     local.optim_step(ADAM.model_dump())
-    m2 = local.forward_backward(_local_datums(DATA), loss, loss.loss_config())
+    _, m2 = local.tinker_forward_backward(_local_datums(DATA), loss)
     assert fb.metrics["loss:sum"] == m1["loss:sum"]
     assert fb2.metrics["loss:sum"] == m2["loss:sum"]
     assert fb2.metrics["loss:sum"] < fb.metrics["loss:sum"]
     # per-datum outputs: the target tokens' logprobs, one per token
     lp = [o["logprobs"].to_torch() for o in fb.loss_fn_outputs]
     assert [len(x) for x in lp] == [5, 3]
+    assert [x.tolist() for x in lp] == lp1
     weights = torch.cat([d.loss_fn_inputs["weights"].to_torch() for d in DATA])
     assert float(-(torch.cat(lp) * weights).sum()) == pytest.approx(fb.metrics["loss:sum"], rel=1e-6)
 

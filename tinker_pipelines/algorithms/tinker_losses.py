@@ -338,3 +338,16 @@ def tinker_forward_metrics(loss: TinkerLoss, datums: Sequence[Datum], logprobs: 
                   "advantages": torch.tensor([d.advantages[i] for d, idx in kept for i in idx])}
     with torch.no_grad():
         return loss(lp_N, inputs)[1]
+
+
+def check_tinker_datums(loss: TinkerLoss, datums: Sequence[Datum]) -> None:
+    """Each datum carries what `loss` reads (`datum_from_tinker`'s): an RL loss its sampling
+    logprobs and advantages, cross_entropy its weights; `TinkerLossError` naming the first
+    `data[i].loss_fn_inputs.<key>` that it lacks."""
+    for i, d in enumerate(datums):
+        if loss.name == "cross_entropy":
+            continue  # every Datum has weights of its length
+        for key, have in (("logprobs", d.behaviour_logprobs), ("advantages", d.advantages)):
+            if len(have) != len(d.input_tokens):
+                raise TinkerLossError(f"data[{i}].loss_fn_inputs.{key} is missing; loss_fn {loss.name!r} takes "
+                                      f"exactly: {', '.join(loss.spec.inputs)}", f"data[{i}].loss_fn_inputs.{key}")

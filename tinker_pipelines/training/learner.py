@@ -400,6 +400,7 @@ class Learner:
         """Check a checkpoint this learner wrote against the resident weights (`learner_checkpoint.verify`)."""
         return learner_checkpoint.verify(self, path, probe_tokens)
 
-    def load_state(self, path: str | Path) -> dict[str, Any]:
-        """Restore weights, optimizer and RNG states from `save_state`; returns the record."""
-        return learner_checkpoint.load_state(self, path)
+    def load_state(self, path: str | Path, optimizer: bool = True) -> dict[str, Any]:
+        """Restore weights, optimizer and RNG states from `save_state`; returns the record.
+        `optimizer=False`: the weights only (a fresh optimizer state, RNG untouched)."""
+        return learner_checkpoint.load_state(self, path, optimizer)

@@ -86,11 +86,16 @@ def micro_batch_share(normalization: str, chunk_weight: float, total_weight: flo
                       total_rows: int) -> float:
     """What a micro-batch's loss is scaled by so that the micro-batches' gradients add up to the
     whole batch's: its share of the weighted tokens under a token mean, of the rows otherwise (a
-    mean over sequences or pairs, or a sum over a constant per row).
+    mean over sequences or pairs, or a sum over a constant per row); 1 under a plain 'sum' (Tinker's
+    losses: the batch's loss is the sum of its micro-batches' sums).
 
     >>> micro_batch_share("token", 3.0, 12.0, 1, 2), micro_batch_share("sequence", 3.0, 12.0, 1, 2)
     (0.25, 0.5)
+    >>> micro_batch_share("sum", 3.0, 12.0, 1, 2)
+    1.0
     """
+    if normalization == "sum":
+        return 1.0
     if normalization == "token":
         return chunk_weight / total_weight if total_weight else 0.0
     return chunk_rows / total_rows

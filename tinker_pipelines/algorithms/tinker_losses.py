@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
+
+from tinker_pipelines.algorithms.losses import LossBatch, LossConfig
+from tinker_pipelines.types import Datum
 
 Metrics = dict[str, float]
 
@@ -249,3 +252,102 @@ def tinker_loss(name: str, config: Mapping[str, float | str] | None = None) -> T
     if values.get("beta", 0.0) < 0:
         raise TinkerLossError(f"loss_fn_config.beta must be >= 0, got {values['beta']}", "loss_fn_config.beta")
     return TinkerLoss(spec, values)
+
+
+# -- Tinker's datums and losses on the one gradient path ---------------------------------------
+def _as_tensor(value: object, key: str, where: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TinkerLossError(f"{where}loss_fn_inputs.{key} is not an array ({e})", f"{where}loss_fn_inputs.{key}") from None
+
+
+def datum_from_tinker(tokens: Sequence[int], loss_fn_inputs: Mapping[str, object], *,
+                      loss: TinkerLoss | None = None, datum_index: int | None = None) -> Datum:
+    """A Tinker datum (its `model_input` tokens, N of them, and its `loss_fn_inputs`) as our
+    `Datum`: `target_tokens` as they are; a cross-entropy datum's `weights`; an RL datum's
+    `logprobs` (the sampler's) as `behaviour_logprobs` and its `advantages`, with weights all 1
+    (`TinkerLossFn` reads the advantages; the weights only mark the datum's tokens, so that
+    padding adds nothing). With `loss`, the inputs are checked against it first
+    (`TinkerLoss.check_inputs`); in any case each input must have the tokens' length N and be
+    finite, or `TinkerLossError` names it (`data[i].` in front with `datum_index`).
+
+    >>> datum_from_tinker([1, 2], {"target_tokens": [2, 3], "weights": [0.0, 1.0]}).weights
+    (0.0, 1.0)
+    """
+    where = "" if datum_index is None else f"data[{datum_index}]."
+    inputs = {k: _as_tensor(v, k, where) for k, v in loss_fn_inputs.items()}
+    if loss is not None:
+        loss.check_inputs(inputs, datum_index)
+    n = len(tokens)
+    if n == 0:
+        raise TinkerLossError(f"{where}model_input has no tokens", f"{where}model_input")
+    rl = "advantages" in inputs or "logprobs" in inputs
+    keys = ("target_tokens", *(("logprobs", "advantages") if rl else ("weights",)))
+    for key in keys:
+        t = inputs.get(key)
+        if t is None:
+            raise TinkerLossError(f"{where}loss_fn_inputs.{key} is missing", f"{where}loss_fn_inputs.{key}")
+        if t.dim() != 1 or t.shape[0] != n:
+            raise TinkerLossError(f"{where}loss_fn_inputs.{key} must have shape ({n},) like model_input, got "
+                                  f"{tuple(t.shape)}", f"{where}loss_fn_inputs.{key}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise TinkerLossError(f"{where}loss_fn_inputs.{key} has a non-finite value", f"{where}loss_fn_inputs.{key}")
+    if inputs["target_tokens"].is_floating_point():
+        raise TinkerLossError(f"{where}loss_fn_inputs.target_tokens must be integers, got {inputs['target_tokens'].dtype}",
+                              f"{where}loss_fn_inputs.target_tokens")
+    targets = tuple(int(x) for x in inputs["target_tokens"].tolist())
+    if not rl:
+        return Datum(tuple(int(x) for x in tokens), targets, tuple(inputs["weights"].tolist()))
+    return Datum(tuple(int(x) for x in tokens), targets, (1.0,) * n,
+                 behaviour_logprobs=tuple(inputs["logprobs"].tolist()), advantages=tuple(inputs["advantages"].tolist()))
+
+
+class TinkerLossFn:
+    """A `TinkerLoss` as a `losses.LossFn`, so the learner's and the worker's `forward_backward`
+    run it through the one gradient path. Its normalization is fixed to 'sum' (every micro-batch
+    counts in full: the batch's loss is the sum of theirs, as Tinker's is) and it names its own
+    metrics (Tinker's `loss:sum`). It reads the tokens whose weight is not 0: all of an RL
+    datum's (`datum_from_tinker`), none of the padding."""
+
+    normalization = "sum"
+    own_metrics = True
+
+    def __init__(self, loss: TinkerLoss):
+        self.loss = loss
+        self.__name__ = f"tinker:{loss.name}"
+
+    def __call__(self, logprobs_BT: torch.Tensor, batch: LossBatch, cfg: LossConfig) -> tuple[torch.Tensor, Metrics]:
+        keep_BT = batch.weights_BT != 0
+        inputs = {"weights": batch.weights_BT[keep_BT]} if self.loss.name == "cross_entropy" else {
+            "logprobs": batch.behaviour_logprobs_BT[keep_BT], "advantages": batch.advantages_BT[keep_BT]}
+        return self.loss(logprobs_BT[keep_BT], inputs)
+
+
+def tinker_forward_metrics(loss: TinkerLoss, datums: Sequence[Datum], logprobs: Sequence[Sequence[float]]) -> Metrics:
+    """Tinker's metrics of a forward-only call: the loss over the datums' tokens at the given
+    target logprobs (the weights and inputs as `TinkerLossFn` reads them)."""
+    lp_N = torch.tensor([x for d, row in zip(datums, logprobs) for x, w in zip(row, d.weights) if w != 0])
+    kept = [(d, [i for i, w in enumerate(d.weights) if w != 0]) for d in datums]
+    if loss.name == "cross_entropy":
+        inputs = {"weights": torch.tensor([d.weights[i] for d, idx in kept for i in idx])}
+    else:
+        inputs = {"logprobs": torch.tensor([d.behaviour_logprobs[i] for d, idx in kept for i in idx]),
+                  "advantages": torch.tensor([d.advantages[i] for d, idx in kept for i in idx])}
+    with torch.no_grad():
+        return loss(lp_N, inputs)[1]
+
+
+def check_tinker_datums(loss: TinkerLoss, datums: Sequence[Datum]) -> None:
+    """Each datum carries what `loss` reads (`datum_from_tinker`'s): an RL loss its sampling
+    logprobs and advantages, cross_entropy its weights; `TinkerLossError` naming the first
+    `data[i].loss_fn_inputs.<key>` that it lacks."""
+    for i, d in enumerate(datums):
+        if loss.name == "cross_entropy":
+            continue  # every Datum has weights of its length
+        for key, have in (("logprobs", d.behaviour_logprobs), ("advantages", d.advantages)):
+            if len(have) != len(d.input_tokens):
+                raise TinkerLossError(f"data[{i}].loss_fn_inputs.{key} is missing; loss_fn {loss.name!r} takes "
+                                      f"exactly: {', '.join(loss.spec.inputs)}", f"data[{i}].loss_fn_inputs.{key}")

@@ -10,8 +10,9 @@ one loss over a contiguous block of the pass's rows, with the settings of the
    needs a reference its rows do not carry;
 2. the pass's forward: logprobs and values, [B, T];
 3. each span (`span_loss`): its loss, the finite check, its share of its whole batch
-   (`micro_batch_share`, so that micro-batching does not change the batch's gradient) and its
-   metrics weighted by that share;
+   (`micro_batch_share`, so that micro-batching does not change the batch's gradient), its
+   metrics weighted by that share and, when its tally collects them (`Tally.logprobs`, Tinker's
+   per-datum outputs), its rows' target logprobs;
 4. one backward of the sum of the spans' scaled losses (`loss.backward`, or DeepSpeed's
    `engine.backward`: the caller passes it).
 
@@ -39,10 +40,14 @@ Backward = Callable[[torch.Tensor], object]
 
 
 class Tally(Protocol):
-    """Where one `forward_backward` call's results go: its metrics and why it failed."""
+    """Where one `forward_backward` call's results go: its metrics, why it failed and, when it
+    asks for them, each datum's target logprobs."""
 
     totals: dict[str, float]
     error: BaseException | None
+    logprobs: list[list[float]] | None
+    """None, or a list the spans extend with each row's target logprobs (float32 values, one per
+    token, in the call's datum order); then the passes run the full forward (`full_forward`)."""
 
 
 @dataclass
@@ -52,6 +57,21 @@ class Account:
     totals: dict[str, float] = field(default_factory=dict)
     """Metrics, each the sum over spans of the span's value times its share."""
     error: BaseException | None = None
+    logprobs: list[list[float]] | None = None
+    """Each datum's target logprobs when the call asks for them (set it to [] before the call)."""
+
+
+def full_forward(tallies: Iterable[Tally]) -> bool:
+    """Whether a pass must compute every position's logprobs (some tally collects them): the
+    forward that skips positions before the first weighted one, or a shared prefix, reads 0 there."""
+    return any(getattr(t, "logprobs", None) is not None for t in tallies)
+
+
+def own_metrics(loss_fn: LossFn) -> bool:
+    """Whether `loss_fn` names all of its metrics itself (Tinker's losses: keys such as
+    `loss:sum`, which the SDK splits at their ':'), so that the path adds no `loss` or
+    `trained_tokens` beside them."""
+    return bool(getattr(loss_fn, "own_metrics", False))
 
 
 @dataclass
@@ -129,8 +149,13 @@ def span_loss(span: LossSpan, padded: _Padded, lp_BT: torch.Tensor, values_BT: t
     share = 0.0 if span.filler else micro_batch_share(loss_normalization(span.loss_fn, span.loss_cfg),
                                                       float(fields["weights"].sum()), span.batch_weight,
                                                       span.end - span.start, span.batch_rows)
-    for k, v in {"loss": loss.item(), **metrics}.items():
+    for k, v in (metrics if own_metrics(span.loss_fn) else {"loss": loss.item(), **metrics}).items():
         span.tally.totals[k] = span.tally.totals.get(k, 0.0) + v * share
+    collected = getattr(span.tally, "logprobs", None)
+    if collected is not None:
+        lengths = padded.mask_BT[span.start:span.end].sum(-1).tolist()
+        rows = _rows(lp_BT, span.start, span.end).detach().float().tolist()
+        collected.extend(row[:n] for row, n in zip(rows, lengths))
     return loss * (share * span.grad_scale)
 
 

@@ -19,7 +19,7 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -28,14 +28,16 @@ from transformers import PreTrainedModel
 from tinker_pipelines.training import learner_checkpoint
 from tinker_pipelines.training.activation_checkpointing import checkpointed_layers
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn
+from tinker_pipelines.algorithms.tinker_losses import TinkerLoss, TinkerLossFn, tinker_forward_metrics
 from tinker_pipelines.training.lora_linear import adapters_disabled, fuse_lora_layers
 from tinker_pipelines.training.master_weights import MasterWeights, refuse_float16, release
 from tinker_pipelines.training.padding import _Padded, loss_batch, pad_datums
 from tinker_pipelines.training.prefix_sharing import (PrefixPlan, plan_prefix_sharing, shared_prefix_forward,
                                              supports_prefix_sharing)
 from tinker_pipelines.rollout.truncation import target_logprobs
-from tinker_pipelines.training.rules import check_learner_settings
-from tinker_pipelines.training.gradient import Account, LossSpan, Pass, accumulate_gradients, micro_batches
+from tinker_pipelines.training.rules import adam_settings, check_learner_settings
+from tinker_pipelines.training.gradient import (Account, LossSpan, Pass, accumulate_gradients, full_forward,
+                                                micro_batches, own_metrics)
 from tinker_pipelines.types import Datum
 
 
@@ -309,34 +311,60 @@ class Learner:
                          loss_cfg: LossConfig = LossConfig()) -> dict[str, float]:
         """Accumulate the gradient of `loss_fn` over `datums`, one pass of `training.gradient` per
         micro-batch; returns the batch's metrics. A non-finite loss discards the call's gradient."""
+        return self._accumulate(datums, loss_fn, loss_cfg, Account())
+
+    def tinker_forward_backward(self, datums: list[Datum], loss: TinkerLoss,
+                                forward_only: bool = False) -> tuple[list[list[float]], dict[str, float]]:
+        """Tinker's `forward_backward` (or its forward, `forward_only`: no gradient work): each
+        datum's target logprobs and Tinker's metrics (`loss:sum`). The datums are
+        `algorithms.tinker_losses.datum_from_tinker`'s; the loss is a sum over their tokens, so the
+        micro-batch size does not change the gradient."""
+        if forward_only:
+            logprobs = self.compute_logprobs(datums)
+            return logprobs, tinker_forward_metrics(loss, datums, logprobs)
+        tally = Account(logprobs=[])
+        metrics = self._accumulate(datums, TinkerLossFn(loss), LossConfig(), tally)
+        return tally.logprobs, metrics  # type: ignore[return-value]
+
+    def _accumulate(self, datums: list[Datum], loss_fn: LossFn, loss_cfg: LossConfig,
+                    tally: Account) -> dict[str, float]:
         if not datums:
             raise ValueError("forward_backward needs at least one datum")
         self.activate()
         total_w = sum(sum(d.weights) for d in datums)
-        tally = Account()
         try:
             accumulate_gradients(self._passes(datums, loss_fn, loss_cfg, total_w, tally))
         except FloatingPointError:
             self.optimizer.zero_grad(set_to_none=True)
             raise
-        tally.totals["trained_tokens"] = total_w
+        if not own_metrics(loss_fn):
+            tally.totals["trained_tokens"] = total_w
         return tally.totals
 
     def _passes(self, datums: list[Datum], loss_fn: LossFn, loss_cfg: LossConfig, total_w: float,
                 tally: Account) -> Iterator[Pass]:
         """One pass per micro-batch, padded as it is reached (one micro-batch's tensors at a time)."""
+        only_weighted = not full_forward([tally])
         for chunk in micro_batches(datums, self.cfg.micro_batch_size):
             padded = pad_datums(chunk, self.pad_token_id, self.device)
             span = LossSpan(0, len(chunk), loss_fn, loss_cfg, total_w, len(datums), self.steps, tally,
                             needs_reference=self.cfg.needs_reference, values=self.value_head is not None)
-            yield Pass(padded, [span], functools.partial(self._forward, self.model, padded, values=span.values),
+            yield Pass(padded, [span], functools.partial(self._forward, self.model, padded, only_weighted,
+                                                         values=span.values),
                        functools.partial(self.reference_logprobs, padded))
 
-    def optim_step(self) -> dict[str, float]:
+    def optim_step(self, adam: Mapping[str, float] | None = None) -> dict[str, float]:
         """Apply the accumulated gradient; returns the pre-clip gradient norm. With fp32 masters
         (a bf16 full-parameter model) the clip and the step are the masters', then the bf16
-        weights are rounded from them."""
+        weights are rounded from them. `adam` (Tinker's `AdamParams`: learning_rate, beta1, beta2,
+        eps, weight_decay, grad_clip_norm with 0 = no clipping) sets every parameter group's
+        settings for this step and the ones after it, and replaces `cfg.grad_clip` for this step."""
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        if adam is not None:
+            settings = adam_settings(adam)
+            clip = settings.pop("grad_clip_norm") or float("inf")
+            for group in self.optimizer.param_groups:
+                group.update(settings)
         grad_norm = torch.nn.utils.clip_grad_norm_(self._stepped, clip)
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
@@ -346,7 +374,9 @@ class Learner:
             self.masters.copy_back()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        return {"grad_norm": grad_norm.item()}
+        if adam is None:
+            return {"grad_norm": grad_norm.item()}
+        return {"grad_norm": grad_norm.item(), "learning_rate": settings["lr"]}
 
     def close(self) -> None:
         """Let go of the model's parameters: the fp32 masters' gradient hooks (which keep the
@@ -370,6 +400,7 @@ class Learner:
         """Check a checkpoint this learner wrote against the resident weights (`learner_checkpoint.verify`)."""
         return learner_checkpoint.verify(self, path, probe_tokens)
 
-    def load_state(self, path: str | Path) -> dict[str, Any]:
-        """Restore weights, optimizer and RNG states from `save_state`; returns the record."""
-        return learner_checkpoint.load_state(self, path)
+    def load_state(self, path: str | Path, optimizer: bool = True) -> dict[str, Any]:
+        """Restore weights, optimizer and RNG states from `save_state`; returns the record.
+        `optimizer=False`: the weights only (a fresh optimizer state, RNG untouched)."""
+        return learner_checkpoint.load_state(self, path, optimizer)

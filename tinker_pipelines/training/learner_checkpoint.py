@@ -86,8 +86,10 @@ def verify(learner: ResidentLearner, path: str | Path, probe_tokens: list[int]) 
             "unexpected": unexpected}
 
 
-def load_state(learner: ResidentLearner, path: str | Path) -> dict[str, Any]:
-    """Restore weights, optimizer and RNG states from `save_state`; returns the record."""
+def load_state(learner: ResidentLearner, path: str | Path, optimizer: bool = True) -> dict[str, Any]:
+    """Restore weights, optimizer and RNG states from `save_state`; returns the record. Without
+    `optimizer` (Tinker's `load_weights` with optimizer=False), only the weights: the optimizer
+    starts afresh (its moments cleared, its settings kept) and the RNG states are left alone."""
     path = Path(path)
     record = ckpt.read_record(path)
     if record.get("mode") != learner.cfg.mode:
@@ -97,7 +99,7 @@ def load_state(learner: ResidentLearner, path: str | Path) -> dict[str, Any]:
         raise ckpt.CheckpointError(f"checkpoint {path} was made with model {record['base_model']!r}, "
                                    f"not {learner.base_name!r}")
     try:
-        _load_tensors(learner, path)
+        _load_tensors(learner, path, optimizer)
     except (RuntimeError, KeyError) as e:  # shapes or names of another architecture
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ckpt.CheckpointError(f"checkpoint {path} (made with model {record.get('base_model')!r}) does not "
@@ -105,7 +107,7 @@ def load_state(learner: ResidentLearner, path: str | Path) -> dict[str, Any]:
     return record
 
 
-def _load_tensors(learner: ResidentLearner, path: Path) -> None:
+def _load_tensors(learner: ResidentLearner, path: Path, optimizer: bool = True) -> None:
     if learner.value_head is not None:
         if not (path / VALUE_HEAD_FILE).exists():
             raise ckpt.CheckpointError(f"checkpoint {path} has no {VALUE_HEAD_FILE}, but this learner trains a "
@@ -131,6 +133,10 @@ def _load_tensors(learner: ResidentLearner, path: Path) -> None:
             masters = (load_file(str(path / MASTER_FILE), device=str(learner.device))
                        if (path / MASTER_FILE).exists() else None)
             learner.masters.load(masters, state, ckpt.tied_aliases(learner.model), where=str(path))
+    if not optimizer:
+        learner.optimizer.state.clear()
+        learner.steps = int(ckpt.read_record(path).get("learner_steps", 0))
+        return
     opt = ckpt.load_torch_file(path / "optimizer.pt", map_location=learner.device)
     learner.optimizer.load_state_dict(opt["optimizer"])
     learner.steps = opt["steps"]

@@ -10,6 +10,7 @@ both the sampler and these rules call.
 from __future__ import annotations
 
 import math
+from typing import Mapping
 
 from tinker_pipelines.rollout.truncation import check_params
 
@@ -42,3 +43,38 @@ def check_learner_settings(*, mode: str, learning_rate: float, lora_rank: int, l
     require(value_learning_rate >= 0 and math.isfinite(value_learning_rate), "algorithm.value_learning_rate",
             "must be >= 0", value_learning_rate)
     check_params(top_k, top_p, min_p, prefix="training.")
+
+
+ADAM_PARAMS_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+                        "grad_clip_norm": 0.0}
+"""Tinker's `AdamParams` fields and the SDK's defaults (tinker==0.38.0 `types/adam_params.py`)."""
+
+
+def adam_settings(adam: Mapping[str, float]) -> dict[str, float]:
+    """Tinker's `AdamParams` (missing fields take the SDK's defaults) as an AdamW parameter
+    group's settings (`lr`, `betas`, `eps`, `weight_decay`) plus `grad_clip_norm` (0: no
+    clipping); `ValueError` naming `adam_params.<field>` for an unknown field or a value out of range.
+
+    >>> adam_settings({"learning_rate": 1e-3})
+    {'lr': 0.001, 'betas': (0.9, 0.95), 'eps': 1e-12, 'weight_decay': 0.0, 'grad_clip_norm': 0.0}
+    >>> adam_settings({"beta1": 1.0})
+    Traceback (most recent call last):
+    ...
+    ValueError: adam_params.beta1 must be in [0, 1), got 1.0
+    """
+    unknown = sorted(set(adam) - set(ADAM_PARAMS_DEFAULTS))
+    if unknown:
+        raise ValueError(f"adam_params.{unknown[0]} is not an AdamParams field; fields: {', '.join(ADAM_PARAMS_DEFAULTS)}")
+    v = {**ADAM_PARAMS_DEFAULTS, **adam}
+    for k, x in v.items():
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+            raise ValueError(f"adam_params.{k} must be a finite number, got {x!r}")
+    rules = {"learning_rate": (v["learning_rate"] >= 0, "must be >= 0"),
+             "beta1": (0 <= v["beta1"] < 1, "must be in [0, 1)"), "beta2": (0 <= v["beta2"] < 1, "must be in [0, 1)"),
+             "eps": (v["eps"] > 0, "must be positive"), "weight_decay": (v["weight_decay"] >= 0, "must be >= 0"),
+             "grad_clip_norm": (v["grad_clip_norm"] >= 0, "must be >= 0 (0: no clipping)")}
+    for k, (ok, what) in rules.items():
+        if not ok:
+            raise ValueError(f"adam_params.{k} {what}, got {v[k]!r}")
+    return {"lr": float(v["learning_rate"]), "betas": (float(v["beta1"]), float(v["beta2"])), "eps": float(v["eps"]),
+            "weight_decay": float(v["weight_decay"]), "grad_clip_norm": float(v["grad_clip_norm"])}

@@ -27,7 +27,8 @@ from tinker_pipelines.training.learner import Learner
 from tinker_pipelines.training.lora_linear import adapters_disabled, lora_linear
 from tinker_pipelines.training.padding import _Padded, pad_datums
 from tinker_pipelines.training.prefix_sharing import PrefixPlan, plan_prefix_sharing, supports_prefix_sharing
-from tinker_pipelines.training.gradient import LossSpan, Pass, accumulate_gradients, micro_batches
+from tinker_pipelines.training.gradient import (LossSpan, Pass, accumulate_gradients, full_forward, micro_batches,
+                                                own_metrics)
 from tinker_pipelines.types import Datum
 
 Segments = list[tuple[int, int, str | None]]
@@ -112,6 +113,8 @@ class FBJob:
     """Why it failed (set by the call), else None."""
     total_w: float = 0.0
     """Its datums' total loss weight (set by the call)."""
+    logprobs: list[list[float]] | None = None
+    """[] to collect each datum's target logprobs (Tinker's outputs; filled by the call), else None."""
 
 
 def _pieces(job: FBJob) -> list[list[Datum]]:
@@ -142,6 +145,7 @@ def forward_backward_together(jobs: list[FBJob], max_rows: int = 0) -> list[FBJo
     for job in jobs:
         job.totals = {}
         job.total_w = sum(sum(d.weights) for d in job.datums)
+        job.logprobs = [] if job.logprobs is not None else None
     # lazily: a job that failed in a pass leaves the later ones
     live = ([(j, c) for j, c in members if j.error is None] for members in passes)
     accumulate_gradients((_one_pass(model, members) for members in live if members), fail_fast=False)
@@ -149,7 +153,7 @@ def forward_backward_together(jobs: list[FBJob], max_rows: int = 0) -> list[FBJo
         if job.error is not None:
             for p in job.learner.params:
                 p.grad = None
-        else:
+        elif not own_metrics(job.loss_fn):
             job.totals["trained_tokens"] = job.total_w
     return jobs
 
@@ -186,10 +190,12 @@ def _one_pass(model: torch.nn.Module, members: list[tuple[FBJob, list[Datum]]]) 
             return lead._forward(model, padded, temperature=temp_B11, truncation=truncation, head=None,
                                  plan=plan, sampled_support=False)[0]
 
+    only_weighted = not full_forward(j for j, _ in members)
+
     def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
         with adapters_disabled(model), row_adapters(model, layouts):
             _thaw(members)  # PEFT froze them: `set_adapter` of another adapter (and `disable_adapter`, the fallback)
-            out = lead._forward(model, padded, values=head is not None, temperature=temp_B11,
+            out = lead._forward(model, padded, only_weighted, values=head is not None, temperature=temp_B11,
                                 truncation=truncation, head=head, plan=plan)
         _thaw(members)  # leaving a fallback `disable_adapter` froze them again: a frozen leaf drops its gradient
         return out

@@ -22,6 +22,7 @@ import torch
 
 from tinker_pipelines.algorithms.losses import LossConfig, LossFn
 from tinker_pipelines.algorithms.registry import ALGORITHMS
+from tinker_pipelines.algorithms.tinker_losses import TinkerLoss, TinkerLossError
 from tinker_pipelines.training.learner import LearnerConfig
 from tinker_pipelines.rollout.sampler import ContextOverflowError, Sample
 from tinker_pipelines.types import Datum
@@ -74,6 +75,8 @@ class WorkerClient:
         if isinstance(reply, M.Error):
             msg = f"worker {self.address}: {op.value}{f' for experiment {experiment!r}' if experiment else ''}: " \
                   f"{reply.message}"
+            if reply.error == "TinkerLossError":  # the service answers it as the request's own error
+                raise TinkerLossError(reply.message, reply.field)
             raise ContextOverflowError(msg) if reply.error == "context_overflow" else WorkerError(msg)
         return reply
 
@@ -101,8 +104,18 @@ class WorkerClient:
                          loss_cfg: dict[str, Any]) -> dict[str, float]:
         return self.send(M.ForwardBackward(adapter, M.wire_datums(datums), algorithm, loss_cfg)).metrics  # type: ignore[attr-defined]
 
-    def optim_step(self, adapter: str) -> dict[str, float]:
-        return self.send(M.OptimStep(adapter)).metrics  # type: ignore[attr-defined]
+    def tinker_forward_backward(self, adapter: str, datums: list[Datum], loss: str, loss_config: dict[str, float],
+                                forward_only: bool) -> tuple[list[list[float]], dict[str, float]]:
+        """Tinker's `forward_backward` (`forward_only`: its forward, no gradient work) over
+        `datum_from_tinker`'s datums: each datum's target logprobs and the metrics (`loss:sum`).
+        A bad loss name, config or datum raises `TinkerLossError` with its field."""
+        reply = self.send(M.TinkerForwardBackward(adapter, M.wire_datums(datums), loss, dict(loss_config),
+                                                  forward_only))
+        return reply.logprobs, reply.metrics  # type: ignore[attr-defined]
+
+    def optim_step(self, adapter: str, adam: dict[str, float] | None = None) -> dict[str, float]:
+        """Apply the adapter's gradient; `adam` (Tinker's AdamParams) sets its optimizer for this step."""
+        return self.send(M.OptimStep(adapter, None if adam is None else dict(adam))).metrics  # type: ignore[attr-defined]
 
     def compute_logprobs(self, adapter: str, datums: list[Datum]) -> list[list[float]]:
         return self.send(M.ComputeLogprobs(adapter, M.wire_datums(datums))).values  # type: ignore[attr-defined]
@@ -118,8 +131,9 @@ class WorkerClient:
         rng = None if extra_rng is None else {k: M.Tensor.from_torch(t) for k, t in extra_rng.items()}
         return self.send(M.SaveState(adapter, path, record, rng)).record  # type: ignore[attr-defined]
 
-    def load_state(self, adapter: str, path: str) -> dict[str, Any]:
-        return self.send(M.LoadState(adapter, path)).record  # type: ignore[attr-defined]
+    def load_state(self, adapter: str, path: str, optimizer: bool = True) -> dict[str, Any]:
+        """Restore the adapter from a checkpoint; `optimizer=False`: its weights only."""
+        return self.send(M.LoadState(adapter, path, optimizer)).record  # type: ignore[attr-defined]
 
     def verify_checkpoint(self, adapter: str, path: str, probe_tokens: list[int]) -> dict[str, Any]:
         return msgspec.structs.asdict(self.send(M.VerifyCheckpoint(adapter, path, list(probe_tokens))))
@@ -173,9 +187,16 @@ class RemoteLearner:
         self.saved_hash = None
         return self.client.forward_backward(self.adapter_name, datums, algorithm_name(loss_fn), asdict(loss_cfg))
 
-    def optim_step(self) -> dict[str, float]:
+    def tinker_forward_backward(self, datums: list[Datum], loss: TinkerLoss,
+                                forward_only: bool = False) -> tuple[list[list[float]], dict[str, float]]:
+        if not forward_only:
+            self.saved_hash = None
+        return self.client.tinker_forward_backward(self.adapter_name, datums, loss.name, dict(loss.config),
+                                                   forward_only)
+
+    def optim_step(self, adam: dict[str, float] | None = None) -> dict[str, float]:
         self.saved_hash = None
-        out = self.client.optim_step(self.adapter_name)
+        out = self.client.optim_step(self.adapter_name, adam)
         self.steps += 1
         return out
 
@@ -197,9 +218,9 @@ class RemoteLearner:
     def verify_checkpoint(self, path: str | Path, probe_tokens: list[int]) -> dict[str, Any]:
         return self.client.verify_checkpoint(self.adapter_name, str(Path(path).resolve()), list(probe_tokens))
 
-    def load_state(self, path: str | Path) -> dict[str, Any]:
+    def load_state(self, path: str | Path, optimizer: bool = True) -> dict[str, Any]:
         self.saved_hash = None  # until the load succeeded
-        record = self.client.load_state(self.adapter_name, str(Path(path).resolve()))
+        record = self.client.load_state(self.adapter_name, str(Path(path).resolve()), optimizer)
         self.steps = int(record.get("learner_steps", 0))
         self.record, self.saved_hash = record, record["content_hash"]
         return record

@@ -14,6 +14,8 @@ import torch
 
 from tinker_pipelines.algorithms.losses import LossConfig
 from tinker_pipelines.algorithms.registry import get_algorithm
+from tinker_pipelines.algorithms.tinker_losses import TinkerLossFn, check_tinker_datums, tinker_loss
+from tinker_pipelines.training.gradient import Account
 from tinker_pipelines.training.learner import Learner, LearnerConfig
 from tinker_pipelines.rollout.sampler import Sample, Sampler, SampleRequest
 from tinker_pipelines.types import Datum
@@ -255,54 +257,74 @@ class Engine:
 
     # -- training ---------------------------------------------------------------------------
     def forward_backward(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Calls: {adapter, datums, algorithm, loss_cfg}; LoRA calls of several adapters share base
-        passes. A call that fails, fails alone: if a shared pass fails, every adapter's gradient
-        is put back as it was and each call runs alone."""
+        """Calls: {adapter, datums, algorithm, loss_cfg}, or Tinker's {adapter, datums, loss,
+        loss_config, forward_only} (reply: {logprobs, metrics}); LoRA calls of several adapters
+        share base passes. A call that fails, fails alone: if a shared pass fails, every adapter's
+        gradient is put back as it was and each call runs alone. A forward-only call does no
+        gradient work (`Learner.tinker_forward_backward`)."""
         replies: list[dict[str, Any] | None] = [None] * len(calls)
         jobs: list[tuple[int, FBJob]] = []
-        vocab = self.model.get_input_embeddings().num_embeddings
         for i, c in enumerate(calls):
             try:
                 h = self.get(c["adapter"])
                 datums = c["datums"]
-                if not datums or not all(isinstance(d, Datum) for d in datums):
-                    raise RequestError("forward_backward needs a non-empty list of Datum")
-                longest = max(len(d.input_tokens) for d in datums)
-                if self.sampler.max_context is not None and longest > self.sampler.max_context:
-                    raise RequestError(f"a datum of {longest} tokens exceeds the model context of "
-                                       f"{self.sampler.max_context} tokens")
-                bad = next((t for d in datums for t in (*d.input_tokens, *d.target_tokens) if not 0 <= t < vocab), None)
-                if bad is not None:
-                    raise RequestError(f"token id {bad} in a datum is outside the model's vocabulary [0, {vocab})")
-                loss_fn = get_algorithm(c["algorithm"]).loss
-                jobs.append((i, FBJob(h.learner, datums, loss_fn, LossConfig(**c["loss_cfg"]))))
+                self._check_datums(datums)
+                if "loss" not in c:
+                    jobs.append((i, FBJob(h.learner, datums, get_algorithm(c["algorithm"]).loss,
+                                          LossConfig(**c["loss_cfg"]))))
+                    continue
+                loss = tinker_loss(c["loss"], c.get("loss_config") or {})
+                check_tinker_datums(loss, datums)
+                if c.get("forward_only"):
+                    logprobs, metrics = h.learner.tinker_forward_backward(datums, loss, forward_only=True)
+                    replies[i] = {"logprobs": logprobs, "metrics": metrics}
+                    continue
+                jobs.append((i, FBJob(h.learner, datums, TinkerLossFn(loss), LossConfig(), logprobs=[])))
             except (RequestError, ValueError, KeyError, TypeError) as e:
                 replies[i] = _error(e)
-        lora = [(i, j) for i, j in jobs if j.learner.cfg.mode == "lora"]
-        done = set()
-        if self.cfg.batching and len(lora) > 1:
-            saved = {p: None if p.grad is None else p.grad.clone() for _, j in lora for p in j.learner.params}
-            try:
-                forward_backward_together([j for _, j in lora], self.cfg.max_train_rows)
-                done = {i for i, _ in lora}
-                self.shared_passes += 1
-                for i, j in lora:
-                    replies[i] = _error(j.error) if j.error is not None else {"metrics": j.totals}
-            except Exception as e:  # noqa: BLE001 - whose call it was is found by running each alone
-                self.shared_pass_errors += 1
-                log.warning("shared forward_backward of %s failed (%s: %s); running each call alone",
-                            ", ".join(j.learner.adapter_name for _, j in lora), type(e).__name__, e)
-                for p, grad in saved.items():
-                    p.grad = grad
+        done = self._together(jobs, replies)
         for i, j in jobs:
-            if i in done:
-                continue
-            try:
-                replies[i] = {"metrics": j.learner.forward_backward(j.datums, j.loss_fn, j.loss_cfg)}
-            except Exception as e:  # noqa: BLE001 - this call's error alone
-                j.learner.zero_grad()  # a failed call leaves no partial gradient behind (fp32 masters too)
-                replies[i] = _error(e)
+            if i not in done:
+                replies[i] = _alone(j)
         return replies  # type: ignore[return-value]
+
+    def _check_datums(self, datums: list[Datum]) -> None:
+        """RequestError naming the first datum (by index) too long for the context or holding a
+        token id outside the vocabulary."""
+        if not datums or not all(isinstance(d, Datum) for d in datums):
+            raise RequestError("forward_backward needs a non-empty list of Datum")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        for k, d in enumerate(datums):
+            n = len(d.input_tokens)
+            if self.sampler.max_context is not None and n > self.sampler.max_context:
+                raise RequestError(f"datum {k}: a datum of {n} tokens exceeds the model context of "
+                                   f"{self.sampler.max_context} tokens")
+            bad = next((t for t in (*d.input_tokens, *d.target_tokens) if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(f"datum {k}: token id {bad} in a datum is outside the model's vocabulary "
+                                   f"[0, {vocab})")
+
+    def _together(self, jobs: list[tuple[int, FBJob]], replies: list[dict[str, Any] | None]) -> set[int]:
+        """Run the LoRA jobs of several adapters in shared passes; the indices it answered (none
+        when batching is off, there is only one, or the shared pass raised: then every gradient
+        is put back and each job runs alone)."""
+        lora = [(i, j) for i, j in jobs if j.learner.cfg.mode == "lora"]
+        if not (self.cfg.batching and len(lora) > 1):
+            return set()
+        saved = {p: None if p.grad is None else p.grad.clone() for _, j in lora for p in j.learner.params}
+        try:
+            forward_backward_together([j for _, j in lora], self.cfg.max_train_rows)
+        except Exception as e:  # noqa: BLE001 - whose call it was is found by running each alone
+            self.shared_pass_errors += 1
+            log.warning("shared forward_backward of %s failed (%s: %s); running each call alone",
+                        ", ".join(j.learner.adapter_name for _, j in lora), type(e).__name__, e)
+            for p, grad in saved.items():
+                p.grad = grad
+            return set()
+        self.shared_passes += 1
+        for i, j in lora:
+            replies[i] = _error(j.error) if j.error is not None else _fb_reply(j.totals, j.logprobs)
+        return {i for i, _ in lora}
 
     def save_state(self, name: str, path: str, record: dict[str, Any] | None,
                    extra_rng: dict[str, Any] | None) -> dict[str, Any]:
@@ -311,16 +333,17 @@ class Engine:
         h.record = h.learner.save_state(path, record, {**(extra_rng or {}), "adapter_generator": h.generator.get_state()})
         return h.record
 
-    def load_state(self, name: str, path: str | Path) -> dict[str, Any]:
-        """Restore adapter `name` from a checkpoint made on this worker's base; returns its record."""
+    def load_state(self, name: str, path: str | Path, optimizer: bool = True) -> dict[str, Any]:
+        """Restore adapter `name` from a checkpoint made on this worker's base; returns its record.
+        `optimizer=False`: its weights only (no optimizer state, no generator)."""
         h = self.get(name)
         path, lr = Path(path), h.learner
         record = _peek_record(path)
         if record.get("base_model") not in (None, "", lr.base_name):
             raise RequestError(f"checkpoint {path} was trained on base {record.get('base_model')!r}; adapter "
                                f"{name!r} lives on this worker's base {lr.base_name!r}")
-        record = lr.load_state(path)
-        rng = torch.load(path / "rng.pt", weights_only=True)
+        record = lr.load_state(path, optimizer)
+        rng = torch.load(path / "rng.pt", weights_only=True) if optimizer else {}
         if "adapter_generator" in rng:
             h.generator.set_state(rng["adapter_generator"])
         h.record = record
@@ -381,9 +404,24 @@ class _active:
 
 
 def _error(e: BaseException) -> dict[str, Any]:
-    """A failed request of a batch as its reply (`messages.error_reply`'s kind and message)."""
+    """A failed request of a batch as its reply (`messages.error_reply`'s kind, message and field)."""
     r = error_reply(e)
-    return {"error": r.error, "message": r.message}
+    return {"error": r.error, "message": r.message, **({"field": r.field} if r.field else {})}
+
+
+def _fb_reply(metrics: dict[str, float], logprobs: list[list[float]] | None) -> dict[str, Any]:
+    return {"metrics": metrics} if logprobs is None else {"metrics": metrics, "logprobs": logprobs}
+
+
+def _alone(j: FBJob) -> dict[str, Any]:
+    """One `forward_backward` job run by its own learner (Tinker's with its datums' logprobs)."""
+    try:
+        tally = Account(logprobs=[] if j.logprobs is not None else None)
+        metrics = j.learner._accumulate(j.datums, j.loss_fn, j.loss_cfg, tally)
+        return _fb_reply(metrics, tally.logprobs)
+    except Exception as e:  # noqa: BLE001 - this call's error alone
+        j.learner.zero_grad()  # a failed call leaves no partial gradient behind (fp32 masters too)
+        return _error(e)
 
 
 __all__ = ["Engine", "EngineConfig", "Hosted", "RequestError", "Sample"]

@@ -43,6 +43,7 @@ class Op(str, enum.Enum):
     SHUTDOWN = "shutdown"
     SAMPLE = "sample"
     FORWARD_BACKWARD = "forward_backward"
+    TINKER_FORWARD_BACKWARD = "tinker_forward_backward"
     OPTIM_STEP = "optim_step"
     COMPUTE_LOGPROBS = "compute_logprobs"
     COMPUTE_REFERENCE_LOGPROBS = "compute_reference_logprobs"
@@ -199,8 +200,18 @@ class ForwardBackward(AdapterRequest, frozen=True, tag=Op.FORWARD_BACKWARD.value
     loss_cfg: dict[str, Any] = {}
 
 
-class OptimStep(AdapterRequest, frozen=True, tag=Op.OPTIM_STEP.value):
-    pass
+class TinkerForwardBackward(AdapterRequest, frozen=True, tag=Op.TINKER_FORWARD_BACKWARD.value):
+    """Tinker's `forward_backward` (or, `forward_only`, its forward): a named Tinker loss over
+    `datum_from_tinker`'s datums; the reply has each datum's target logprobs."""
+
+    datums: list[WireDatum]
+    loss: str  # a Tinker loss name (`algorithms.tinker_losses.TINKER_LOSSES`)
+    loss_config: dict[str, Any] = {}  # its `loss_fn_config`; the worker validates it and names a bad key
+    forward_only: bool = False
+
+
+class OptimStep(AdapterRequest, frozen=True, tag=Op.OPTIM_STEP.value, omit_defaults=True):
+    adam: dict[str, float] | None = None  # Tinker's AdamParams for this step; None: the learner's settings
 
 
 class ComputeLogprobs(AdapterRequest, frozen=True, tag=Op.COMPUTE_LOGPROBS.value):
@@ -221,8 +232,9 @@ class SaveState(AdapterRequest, frozen=True, tag=Op.SAVE_STATE.value):
     extra_rng: dict[str, Tensor] | None = None
 
 
-class LoadState(AdapterRequest, frozen=True, tag=Op.LOAD_STATE.value):
+class LoadState(AdapterRequest, frozen=True, tag=Op.LOAD_STATE.value, omit_defaults=True):
     path: str
+    optimizer: bool = True  # False: the weights only (Tinker's load_weights without optimizer)
 
 
 class VerifyCheckpoint(AdapterRequest, frozen=True, tag=Op.VERIFY_CHECKPOINT.value):
@@ -236,10 +248,12 @@ class Reply(msgspec.Struct, frozen=True, tag_field="op"):
 
 
 class Error(Reply, frozen=True, tag="error"):
-    """A refused or failed request: the exception's kind and its one-line message."""
+    """A refused or failed request: the exception's kind and its one-line message, and the
+    request field it names where the exception says (`TinkerLossError.field`)."""
 
     error: str
     message: str
+    field: str = ""
 
 
 class HelloReply(Reply, frozen=True, tag=Op.HELLO.value):
@@ -283,6 +297,11 @@ class SampleReply(Reply, frozen=True, tag=Op.SAMPLE.value):
 
 class ForwardBackwardReply(Reply, frozen=True, tag=Op.FORWARD_BACKWARD.value):
     metrics: dict[str, float]
+
+
+class TinkerForwardBackwardReply(Reply, frozen=True, tag=Op.TINKER_FORWARD_BACKWARD.value):
+    logprobs: list[list[float]]  # each datum's target logprobs (float32 values), in request order
+    metrics: dict[str, float]  # Tinker's keys (`loss:sum`)
 
 
 class OptimStepReply(Reply, frozen=True, tag=Op.OPTIM_STEP.value):
@@ -423,7 +442,8 @@ def error_reply(e: BaseException) -> Error:
 
     kind = "context_overflow" if isinstance(e, ContextOverflowError) else type(e).__name__
     msg = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-    return Error(kind, _one_line(msg) or kind)
+    field = getattr(e, "field", "")
+    return Error(kind, _one_line(msg) or kind, field if isinstance(field, str) else "")
 
 
 __all__ = ["Op", "Tensor", "Request", "AdapterRequest", "Reply", "Error", "REQUESTS", "REPLIES", "SCHEMA",

@@ -58,6 +58,8 @@ _NOT_WORK = (Op.SHUTDOWN, Op.STATS)
 """Requests that do not mean their client will sample soon: they never hold samples."""
 _BATCHED = (Op.SAMPLE, Op.FORWARD_BACKWARD)
 """Ops whose concurrent calls of several clients run together (`Engine.sample` / `forward_backward`)."""
+_BATCHED_WITH = {Op.TINKER_FORWARD_BACKWARD: Op.FORWARD_BACKWARD}
+"""Ops whose calls join another op's batch (Tinker's forward_backward shares passes with ours)."""
 
 
 @dataclass
@@ -87,7 +89,7 @@ class WorkerServer:
         self._listener: Listener | None = None
         self._batched = {Op.SAMPLE: engine.sample, Op.FORWARD_BACKWARD: engine.forward_backward}
         self._handlers = self._handler_table()
-        missing = set(Op) - {Op.HELLO} - set(self._batched) - set(self._handlers)
+        missing = set(Op) - {Op.HELLO} - set(self._batched) - set(_BATCHED_WITH) - set(self._handlers)
         if missing:  # an op declared in `messages` that nothing here serves
             raise TypeError(f"worker ops without a handler: {sorted(o.value for o in missing)}")
 
@@ -279,10 +281,11 @@ class WorkerServer:
                 except RequestError as exc:
                     item.reply = M.error_reply(exc)
         for op in _BATCHED:
-            items = [i for i in batch if _op(i) == op and i.reply is None]
+            items = [i for i in batch if _BATCHED_WITH.get(_op(i), _op(i)) == op and i.reply is None]
             if items:
                 for item, reply in zip(items, self._batched[op]([_engine_call(i.request) for i in items])):
-                    item.reply = M.Error(reply["error"], reply["message"]) if "error" in reply else _reply(op, reply)
+                    item.reply = (M.Error(reply["error"], reply["message"], reply.get("field", "")) if "error" in reply
+                                  else _reply(_op(item), reply))
         for item in batch:
             if item.reply is not None:
                 continue
@@ -327,14 +330,15 @@ class WorkerServer:
             Op.DROP: drop,
             Op.STATS: lambda c, r: M.StatsReply(e.stats()),
             Op.SHUTDOWN: shutdown,
-            Op.OPTIM_STEP: lambda c, r: M.OptimStepReply(learner(r).optim_step()),
+            Op.OPTIM_STEP: lambda c, r: M.OptimStepReply(learner(r).optim_step() if r.adam is None
+                                                          else learner(r).optim_step(r.adam)),
             Op.COMPUTE_LOGPROBS: lambda c, r: M.ComputeLogprobsReply(learner(r).compute_logprobs(M.datums_of(r.datums))),
             Op.COMPUTE_REFERENCE_LOGPROBS: lambda c, r: M.ComputeReferenceLogprobsReply(
                 learner(r).compute_reference_logprobs(M.datums_of(r.datums))),
             Op.COMPUTE_VALUES: lambda c, r: M.ComputeValuesReply(learner(r).compute_values(M.datums_of(r.datums))),
             Op.SAVE_STATE: lambda c, r: M.SaveStateReply(e.save_state(
                 r.adapter, r.path, r.record, {k: t.to_torch() for k, t in (r.extra_rng or {}).items()})),
-            Op.LOAD_STATE: lambda c, r: M.LoadStateReply(e.load_state(r.adapter, r.path)),
+            Op.LOAD_STATE: lambda c, r: M.LoadStateReply(e.load_state(r.adapter, r.path, r.optimizer)),
             Op.VERIFY_CHECKPOINT: lambda c, r: M.VerifyCheckpointReply(
                 **learner(r).verify_checkpoint(r.path, r.probe_tokens)),
         }
@@ -374,7 +378,7 @@ def _label(item: _Item) -> str:
 def _engine_call(r: M.Request) -> dict[str, Any]:
     """A batched request as `Engine.sample` / `forward_backward` take it."""
     call = msgspec.structs.asdict(r)
-    if isinstance(r, M.ForwardBackward):
+    if isinstance(r, (M.ForwardBackward, M.TinkerForwardBackward)):
         call["datums"] = M.datums_of(r.datums)
     return call
 
@@ -384,6 +388,8 @@ def _reply(op: Op, out: dict[str, Any]) -> M.Reply:
     if op == Op.SAMPLE:
         return M.SampleReply([Sample(tuple(t), tuple(lp), r, s, tuple(n)) for t, lp, r, s, n in out["samples"]],
                              out["generator_state"])
+    if op == Op.TINKER_FORWARD_BACKWARD:
+        return M.TinkerForwardBackwardReply(out["logprobs"], out["metrics"])
     return M.ForwardBackwardReply(out["metrics"])
 
 

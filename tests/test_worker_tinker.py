@@ -1,0 +1,178 @@
+"""Tinker's primitives over a real worker process: forward_backward with per-datum logprobs,
+forward-only, AdamParams, weights-only loads, shared passes, and errors that name their field."""
+
+import os
+import signal
+import threading
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from tinker_pipelines.algorithms.tinker_losses import TinkerLossError, datum_from_tinker, tinker_loss
+from tinker_pipelines.models import load_model
+from tinker_pipelines.training.learner import Learner, LearnerConfig
+from tinker_pipelines.worker import WorkerError
+from tinker_pipelines.worker.client import WorkerClient, start_worker
+
+CFG = LearnerConfig(mode="lora", micro_batch_size=2, lora_rank=4, learning_rate=1e-3)
+ADAM = {"learning_rate": 5e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 1.0}
+TOKENS = [[5, 9, 12, 7, 30, 31], [5, 9, 40, 41, 42, 8, 17], [6, 10, 11, 13]]
+
+
+def ce(tokens=TOKENS, scale=1.0):
+    return [datum_from_tinker(t[:-1], {"target_tokens": t[1:], "weights": [0.0] + [scale] * (len(t) - 2)})
+            for t in tokens]
+
+
+def rl(tokens=TOKENS):
+    g = torch.Generator().manual_seed(4)
+    return [datum_from_tinker(t[:-1], {"target_tokens": torch.tensor(t[1:]),
+                                       "logprobs": -torch.rand(len(t) - 1, generator=g) * 3,
+                                       "advantages": torch.randn(len(t) - 1, generator=g)}) for t in tokens]
+
+
+def _worker(tmp_path_factory, dtype):
+    d = tmp_path_factory.mktemp("tw")
+    proc = start_worker("tiny", d / "w.sock", device="cpu", dtype=dtype, log=d / "log",
+                        extra=["--threads", str(torch.get_num_threads()), "--window-ms", "1000"])
+    yield d / "w.sock"
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def address(tmp_path_factory):
+    yield from _worker(tmp_path_factory, "float32")
+
+
+@pytest.fixture(scope="module")
+def address_bf16(tmp_path_factory):
+    yield from _worker(tmp_path_factory, "bfloat16")
+
+
+def local(seed, dtype="float32"):
+    model, tok = load_model("tiny", seed=0, dtype=dtype)
+    return Learner(model, CFG, tok.pad_token_id, adapter_name=f"local{seed}", init_seed=seed)
+
+
+def steps(run, datums, loss, n=2):
+    """n rounds of forward_backward then optim_step(ADAM) through `run` (a learner or a client's
+    adapter); each round's logprobs, metrics and step metrics."""
+    return [(*run.tinker_forward_backward(datums, loss), run.optim_step(ADAM)) for _ in range(n)]
+
+
+class Remote:
+    """One client's adapter, with the learner's method names."""
+
+    def __init__(self, address, name, seed):
+        self.client, self.name = WorkerClient(address), name
+        self.client.create(name, asdict(CFG), seed)
+
+    def tinker_forward_backward(self, datums, loss, forward_only=False):
+        return self.client.tinker_forward_backward(self.name, datums, loss.name, dict(loss.config), forward_only)
+
+    def optim_step(self, adam):
+        return self.client.optim_step(self.name, adam)
+
+
+def test_tinker_steps_on_a_worker_equal_the_in_process_learner(address):
+    remote = Remote(address, "solo", 11)
+    datums, loss = ce(), tinker_loss("cross_entropy")
+    want = steps(local(11), datums, loss)
+    got = steps(remote, datums, loss)
+    assert got == want  # logprobs, loss:sum and grad_norm, float for float
+    assert set(got[0][1]) == {"loss:sum"} and got[1][1]["loss:sum"] < got[0][1]["loss:sum"]
+    assert [len(x) for x in got[0][0]] == [len(d.input_tokens) for d in datums]
+    # forward-only: the forward's logprobs and loss, and no gradient left behind for the next step
+    logprobs, metrics = remote.tinker_forward_backward(datums, loss, forward_only=True)
+    assert logprobs == remote.client.compute_logprobs("solo", datums)
+    assert remote.optim_step({**ADAM, "learning_rate": 0.0})["grad_norm"] == 0.0
+    remote.client.close()
+
+
+def test_two_adapters_tinker_calls_in_one_cycle_equal_each_alone(address):
+    a, b = Remote(address, "a", 21), Remote(address, "b", 22)
+    work = [(a, ce(), tinker_loss("cross_entropy")), (b, rl(), tinker_loss("ppo", {"clip_high_threshold": 1.1}))]
+    want = [steps(local(21), *work[0][1:]), steps(local(22), *work[1][1:])]
+    before = a.client.stats()["shared_passes"]
+    got: list = [None, None]
+
+    def run(k):
+        r, datums, loss = work[k]
+        got[k] = steps(r, datums, loss)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want
+    assert a.client.stats()["shared_passes"] >= before + 2  # both rounds' calls shared their cycle
+    a.client.close()
+    b.client.close()
+
+
+def test_weights_only_load_starts_a_fresh_optimizer(address, tmp_path):
+    remote = Remote(address, "ck", 31)
+    datums, loss = ce(), tinker_loss("cross_entropy")
+    steps(remote, datums, loss)
+    remote.client.save_state("ck", str(tmp_path / "ck"))
+    steps(remote, datums, loss, 1)
+    remote.client.load_state("ck", str(tmp_path / "ck"), optimizer=False)
+    after_weights_only = steps(remote, datums, loss, 1)
+    remote.client.load_state("ck", str(tmp_path / "ck"))
+    after_full = steps(remote, datums, loss, 1)
+    lr = local(31)
+    lr.load_state(tmp_path / "ck", optimizer=False)
+    assert after_weights_only == steps(lr, datums, loss, 1)
+    assert after_weights_only[0][:2] == after_full[0][:2]  # the same weights were loaded
+    lp = remote.client.compute_logprobs("ck", datums)
+    remote.client.load_state("ck", str(tmp_path / "ck"), optimizer=False)
+    assert remote.client.compute_logprobs("ck", datums) != lp  # the step after a fresh Adam state differs
+    remote.client.close()
+
+
+def test_bad_tinker_calls_name_their_field_and_the_worker_serves_on(address):
+    remote = Remote(address, "bad", 41)
+    c = remote.client
+    with pytest.raises(TinkerLossError, match="not supported by this service; supported: cross_entropy") as e:
+        c.tinker_forward_backward("bad", ce(), "stable_reinforce", {}, False)
+    assert e.value.field == "loss_fn"
+    with pytest.raises(TinkerLossError, match=r"data\[0\].loss_fn_inputs.logprobs is missing") as e:
+        c.tinker_forward_backward("bad", ce(), "ppo", {}, False)
+    assert e.value.field == "data[0].loss_fn_inputs.logprobs"
+    with pytest.raises(TinkerLossError) as e:
+        c.tinker_forward_backward("bad", rl(), "dro", {}, False)
+    assert e.value.field == "loss_fn_config.beta"
+    with pytest.raises(WorkerError, match=r"datum 1: token id 1000000 in a datum is outside the model's vocabulary"):
+        c.tinker_forward_backward("bad", ce([[1, 2, 3], [1, 10**6, 3]]), "cross_entropy", {}, False)
+    with pytest.raises(WorkerError, match="datum 0: a datum of 5000 tokens exceeds the model context"):
+        c.tinker_forward_backward("bad", ce([[1] * 5001]), "cross_entropy", {}, False)
+    with pytest.raises(WorkerError, match=r"adam_params.eps must be positive, got 0.0"):
+        c.optim_step("bad", {**ADAM, "eps": 0.0})
+    logprobs, metrics = c.tinker_forward_backward("bad", ce(), "cross_entropy", {}, False)  # still serving
+    assert len(logprobs) == 3 and metrics["loss:sum"] > 0
+    c.close()
+
+
+def test_bf16_worker_tinker_steps_equal_the_in_process_bf16_learner(address_bf16):
+    """A bf16 base: the adapters and their Adam states stay fp32, the logprobs and the loss are
+    fp32 computations over bf16 logits; the worker computes what the in-process learner does."""
+    a, b = Remote(address_bf16, "a", 51), Remote(address_bf16, "b", 52)
+    assert a.client.info["dtype"] == "bfloat16"
+    work = [(a, ce(), tinker_loss("cross_entropy")), (b, rl(), tinker_loss("cispo"))]
+    got: list = [None, None]
+
+    def run(k):
+        r, datums, loss = work[k]
+        got[k] = steps(r, datums, loss)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [steps(local(51, "bfloat16"), *work[0][1:]), steps(local(52, "bfloat16"), *work[1][1:])]
+    assert all(torch.isfinite(torch.tensor(x)).all() for run in got for lp, _, _ in run for x in lp)
+    assert got[0][1][1]["loss:sum"] < got[0][0][1]["loss:sum"]

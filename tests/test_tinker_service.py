@@ -136,7 +136,7 @@ def test_save_and_load_state_resume_bit_for_bit(client):
     resumed.optim_step(ADAM).result()
     assert resumed.forward_backward(DATA, "cross_entropy").result().metrics["loss:sum"] == want
 
-    tc.load_state(path).result()
+    tc.load_state_with_optimizer(path).result()
     tc.forward_backward(DATA, "cross_entropy").result()
     tc.optim_step(ADAM).result()
     assert tc.forward_backward(DATA, "cross_entropy").result().metrics["loss:sum"] == want

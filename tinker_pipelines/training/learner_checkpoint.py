@@ -98,6 +98,8 @@ def load_state(learner: ResidentLearner, path: str | Path, optimizer: bool = Tru
     if learner.base_name and record.get("base_model") and record["base_model"] != learner.base_name:
         raise ckpt.CheckpointError(f"checkpoint {path} was made with model {record['base_model']!r}, "
                                    f"not {learner.base_name!r}")
+    # a gradient accumulated before the load belongs to the weights it replaces
+    learner.optimizer.zero_grad(set_to_none=True)
     try:
         _load_tensors(learner, path, optimizer)
     except (RuntimeError, KeyError) as e:  # shapes or names of another architecture

@@ -152,7 +152,12 @@ async def forward_backward(request: Request) -> Any:
     if "protobuf" not in request.headers.get("content-type", ""):
         raise Invalid("forward_backward takes a protobuf body (application/x-protobuf), as the tinker SDK sends it",
                       "content-type")
-    call = wire.decode_forward_backward(body)
+    try:
+        call = wire.decode_forward_backward(body)
+    except wire.WireError as e:
+        if e.slot is not None:
+            _svc(request).refused(*e.slot, e)
+        raise
     return _future(_svc(request).forward_backward(call), model_id=call.model_id)
 
 
@@ -276,7 +281,9 @@ async def _guard(request: Request, call_next: Any) -> Response:
         return await call_next(request)
     key = request.app.state.tinker_settings.api_key
     given = request.headers.get("x-api-key", "")
-    if key is not None and not hmac.compare_digest(given.encode(), key.encode()):
+    # healthz answers without a key: it tells a load balancer or a launcher only that the service is up
+    if key is not None and request.url.path != "/api/v1/healthz" and \
+            not hmac.compare_digest(given.encode(), key.encode()):
         return _error(401, "X-API-Key is missing or wrong for this service", "x-api-key")
     try:
         return await call_next(request)

@@ -23,7 +23,7 @@ from typing import Any, Callable
 from tinker import types
 
 from tinker_pipelines.serving.tinker import wire
-from tinker_pipelines.serving.tinker.futures import Futures, Proto, Result, SeqQueue
+from tinker_pipelines.serving.tinker.futures import Failed, Futures, Proto, Result, SeqQueue
 from tinker_pipelines.serving.tinker.runtime import LoraShape, Runtime, Trainer
 from tinker_pipelines.serving.tinker.sampling import Answer, SampleBatcher
 from tinker_pipelines.rollout.samples import BASE
@@ -247,15 +247,34 @@ class Service:
                                  user_metadata=meta.get("user_metadata") or None)
 
     # -- ordered training calls -------------------------------------------------------------
-    def _ordered(self, model_id: str, seq_id: int | None, work: Callable[[Model], Any]) -> str:
+    def _ordered(self, model_id: str, seq_id: int | None, work: Callable[[Model], Any],
+                 check: Callable[[], object] = lambda: None) -> str:
+        """Queue `work` as call `seq_id` of `model_id`, after `check` (the request's own
+        validation). A call refused by `check` still uses up its seq_id: the client counted it,
+        so the calls after it must not wait for it."""
         m = self.model(model_id)
         if seq_id is None:
             raise Invalid("seq_id is missing: a training client's calls are ordered by it", "seq_id")
+        try:
+            check()
+        except (Invalid, NotFound, ValueError) as e:
+            self.refused(model_id, seq_id, e)
+            raise
         m.last_request_time = now_iso()
 
         async def run() -> Result:
             return await work(m)
         return m.queue.submit(int(seq_id), run)
+
+    def refused(self, model_id: str, seq_id: int, e: BaseException) -> None:
+        """Use up call `seq_id` of `model_id` (if both exist) as failed: it was answered 400."""
+        m = self.models.get(model_id)
+        if m is None or seq_id is None:
+            return
+
+        async def fail() -> Result:
+            return Failed(f"refused: {e}", "user")
+        m.queue.submit(int(seq_id), fail)
 
     def forward_backward(self, call: wire.ForwardBackwardCall) -> str:
         async def work(m: Model) -> Result:
@@ -272,9 +291,13 @@ class Service:
         p = req.optim_params
         adam = {"learning_rate": p.learning_rate, "beta1": p.beta1, "beta2": p.beta2, "eps": p.eps,
                 "weight_decay": p.weight_decay, "grad_clip_norm": p.grad_clip_norm}
-        for k, v in adam.items():
-            if not (isinstance(v, (int, float)) and v >= 0 and v == v and v != float("inf")):
-                raise Invalid(f"adam_params.{k} must be a finite number >= 0, got {v!r}", f"adam_params.{k}")
+
+        def check() -> None:
+            for k, v in adam.items():
+                if not (isinstance(v, (int, float)) and v >= 0 and v == v and v != float("inf")):
+                    raise Invalid(f"adam_params.{k} must be a finite number >= 0, got {v!r}", f"adam_params.{k}")
+            if not (adam["beta1"] < 1 and adam["beta2"] < 1):
+                raise Invalid("adam_params.beta1 and beta2 must be < 1", "adam_params.beta1")
 
         async def work(m: Model) -> Result:
             metrics = await asyncio.to_thread(self.runtime.optim_step, m.trainer, adam)
@@ -284,7 +307,7 @@ class Service:
                                                                                      metrics.items()})
             return types.OptimStepResponse(metrics={f"optim/{k}:mean" if ":" not in k else k: float(v)
                                                     for k, v in metrics.items()}).model_dump(mode="json")
-        return self._ordered(req.model_id, req.seq_id, work)
+        return self._ordered(req.model_id, req.seq_id, work, check)
 
     # -- checkpoints ------------------------------------------------------------------------
     def checkpoint_dir(self, model_id: str, kind: str, name: str) -> Path:
@@ -304,15 +327,17 @@ class Service:
         return parsed.training_run_id, kind, name, d
 
     def save_weights(self, req: types.SaveWeightsRequest) -> str:
-        return self._save(req.model_id, req.seq_id, "weights", check_name(req.path), req.overwrite,
+        return self._save(req.model_id, req.seq_id, "weights", req.path, req.overwrite,
                           lambda path: types.SaveWeightsResponse(path=path))
 
     def save_for_sampler(self, req: types.SaveWeightsForSamplerRequest) -> str:
         if req.path is not None:
-            return self._save(req.model_id, req.seq_id, "sampler_weights", check_name(req.path), False,
+            return self._save(req.model_id, req.seq_id, "sampler_weights", req.path, False,
                               lambda path: types.SaveWeightsForSamplerResponseInternal(path=path))
-        if req.sampling_session_seq_id is None:
-            raise Invalid("save_weights_for_sampler needs a path or a sampling_session_seq_id", "path")
+
+        def check() -> None:
+            if req.sampling_session_seq_id is None:
+                raise Invalid("save_weights_for_sampler needs a path or a sampling_session_seq_id", "path")
 
         inflight = getattr(req, "kind", "snapshot") == "inflight"
 
@@ -322,7 +347,7 @@ class Service:
             sid = f"{m.session_id}:sample:{req.sampling_session_seq_id}"
             self.samplers[sid] = Sampler(sid, m.base_model, None, adapter, m.trainer)
             return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sid).model_dump(mode="json")
-        return self._ordered(req.model_id, req.seq_id, work)
+        return self._ordered(req.model_id, req.seq_id, work, check)
 
     def _save(self, model_id: str, seq_id: int | None, kind: str, name: str, overwrite: bool,
               response: Callable[[str], Any]) -> str:
@@ -344,16 +369,17 @@ class Service:
             if self.tracker is not None:
                 await asyncio.to_thread(self.tracker.checkpoint_saved, model_id, kind, name, d, m.steps)
             return response(path).model_dump(mode="json")
-        return self._ordered(model_id, seq_id, work)
+        return self._ordered(model_id, seq_id, work, lambda: check_name(name))
 
     def load_weights(self, req: types.LoadWeightsRequest) -> str:
-        src_model, kind, name, d = self.resolve(req.path)
         if req.model_id is not None:
             async def work(m: Model) -> Result:
+                d = self.resolve(req.path)[3]
                 record = await asyncio.to_thread(self.runtime.load, m.trainer, d, bool(req.optimizer))
                 m.steps = int(record.get("steps", m.steps))
                 return types.LoadWeightsResponse(path=req.path, model_id=m.model_id).model_dump(mode="json")
-            return self._ordered(req.model_id, req.seq_id, work)
+            return self._ordered(req.model_id, req.seq_id, work, lambda: self.resolve(req.path))
+        src_model, kind, name, d = self.resolve(req.path)
         s = self.session(req.session_id or "")
         if req.model_seq_id is None:
             raise Invalid("load_weights without a model_id needs a model_seq_id (create-by-load)", "model_seq_id")

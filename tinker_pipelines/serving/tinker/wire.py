@@ -25,6 +25,8 @@ class WireError(ValueError):
     def __init__(self, message: str, field: str):
         super().__init__(message)
         self.field = field
+        self.slot: tuple[str, int] | None = None
+        """(model_id, seq_id) of a training call refused after both were read."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,14 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
         raise WireError(f"the body is not a ForwardBackwardRequest protobuf ({type(e).__name__})", "body") from None
     if not msg.model_id:
         raise WireError("model_id is missing", "model_id")
+    try:
+        return _decode_checked(msg)
+    except WireError as e:
+        e.slot = (msg.model_id, int(msg.seq_id))  # the call's seq_id is used up all the same
+        raise
+
+
+def _decode_checked(msg: pb.ForwardBackwardRequest) -> ForwardBackwardCall:
     try:
         loss = tinker_loss(msg.loss_fn, loss_config(msg))
     except TinkerLossError as e:

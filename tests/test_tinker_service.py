@@ -197,9 +197,9 @@ def test_a_service_killed_with_sigkill_restarts_and_loads_the_last_checkpoint(tm
             tc.optim_step(ADAM).result()
             path = tc.save_state("last").result().path
             want = tc.forward_backward(DATA, "cross_entropy").result().metrics["loss:sum"]
-            worker_pid = int((tmp_path / "worker.pid").read_text())
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        worker_pid = int((tmp_path / "worker.pid").read_text())
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

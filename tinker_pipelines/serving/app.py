@@ -83,7 +83,8 @@ class Server:
         if v is not None:  # what a client needs to play the version's env against it (`serving.client`)
             from tinker_pipelines.config import config_to_dict
 
-            out["tinker"] = {"registered_model": v.model, "version": v.version, "config": config_to_dict(v.config)}
+            out["tinker"] = {"registered_model": v.model, "version": v.version,
+                             "config": None if v.config is None else config_to_dict(v.config), "learner": v.learner}
         return out
 
     # -- decoding --------------------------------------------------------------------------

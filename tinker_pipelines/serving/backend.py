@@ -183,7 +183,8 @@ class WorkerBackend:
 
         try:
             out = self._clients[name].sample(sample_call(name, r.prompts, r.max_new_tokens, r.temperature, r.generator,
-                                                         top_k=r.top_k, top_p=r.top_p, min_p=r.min_p, stop=r.stop))
+                                                         top_k=r.top_k, top_p=r.top_p, min_p=r.min_p, stop=r.stop,
+                                                         top_logprobs=r.top_logprobs))
             if r.generator is not None:
                 set_generator_state(r.generator, out.generator_state)
             self.batches += 1

@@ -186,3 +186,48 @@ def test_a_version_that_names_no_base_is_refused_naming_it(saved, tracker, endpo
         client.completions.create(model="tinkerapi-nobase/1", prompt=PROMPT, max_tokens=2)
     assert e.value.status_code == 409 and "names no base" in e.value.message
     assert e.value.body["param"] == "model" and e.value.body["code"] == "base_missing"
+
+
+def test_from_env_runs_apart_from_train_and_registers_where_the_endpoint_looks(saved, monkeypatch, tmp_path):
+    from tinker_pipelines.serving.registry import registry_from_env
+
+    monkeypatch.setenv("TINKER_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("TINKER_DEPLOYMENT", raising=False)
+    tt = TinkerTracker.from_env()
+    assert tt.tracker.client.get_experiment(tt.tracker.experiment_id).name == "tinker-api"
+    tt.start_model("env-model", SESSION, "tiny", LORA, [], {})
+    v = tt.checkpoint_saved("env-model", "weights", "0001", saved["path"], step=1)
+    registry = Registry(*registry_from_env())  # the endpoint's: experiment "tinker", the same registry
+    assert registry.tracker.experiment_id != tt.tracker.experiment_id
+    assert registry.resolve(v.key) == (v.model, v.version)
+    fetched = registry.fetch(v.model, v.version)
+    assert (fetched.config, fetched.base, fetched.base_path) == (None, "tiny(seed=0)", "tiny")
+    assert fetched.learner["lora_targets"] == ["q_proj", "v_proj", "lm_head"] and fetched.learner["lora_rank"] == 4
+
+
+def test_an_lm_head_adapter_checkpoint_holds_only_the_adapter_and_never_writes_the_shared_base(saved, tmp_path):
+    """PEFT saves a copy of the frozen lm_head (tied to the embedding here) with an adapter on it
+    unless told not to; loaded, that copy was written over the base every adapter shares. The
+    checkpoint holds the LoRA factors alone, and a checkpoint that holds such a copy (written
+    before, or on a base of other precision) leaves the shared base as it is."""
+    from safetensors.torch import load_file, save_file
+
+    from tinker_pipelines.checkpoint import read_record, write_record
+
+    files = load_file(str(saved["path"] / "adapter_model.safetensors"))
+    assert any("lm_head.lora_B" in k for k in files) and not any(".base_layer." in k for k in files)
+    net, learner = saved["net"], saved["learner"]
+    emb = net.get_input_embeddings().weight.detach().clone()
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in saved["path"].iterdir():
+        if f.name != "record.json":
+            (old / f.name).write_bytes(f.read_bytes())
+    head = learner.model.base_model.model.lm_head.base_layer.weight.detach()
+    save_file({**files, "base_model.model.lm_head.base_layer.weight": head.to(torch.bfloat16).float()},
+              str(old / "adapter_model.safetensors"))
+    write_record(old, {k: v for k, v in read_record(saved["path"]).items() if k not in ("content_hash", "files")})
+    learner.load_state(old)
+    assert torch.equal(net.get_input_embeddings().weight, emb)
+    assert all(torch.equal(p, files[k.replace(".m0", "")]) for k, p in learner.model.named_parameters()
+               if "lm_head.lora_" in k)

@@ -53,20 +53,21 @@ class Version:
         return f"{self.model}/{self.version}"
 
 
-def registry_from_env() -> tuple[Any, Any]:
+def registry_from_env(experiment_name: str = "tinker") -> tuple[Any, Any]:
     """(Tracker, artifact store) of this deployment: `.tinker/` (TINKER_HOME), or with
     TINKER_DEPLOYMENT=production the MLflow server and S3 store named by the environment,
-    as `resources.build_resources` picks them."""
+    as `resources.build_resources` picks them. The tracker's runs go to MLflow experiment
+    `experiment_name`; the registry is the deployment's whatever it is."""
     from tinker_pipelines.tracking import Tracker, default_home, open_store
 
     home = default_home()
     if os.environ.get("TINKER_DEPLOYMENT", "local") == "production":
-        tracker = Tracker(os.environ["MLFLOW_TRACKING_URI"],
+        tracker = Tracker(os.environ["MLFLOW_TRACKING_URI"], experiment_name,
                           artifact_location=os.environ.get("TINKER_MLFLOW_ARTIFACT_LOCATION") or None)
         return tracker, open_store(os.environ["TINKER_ARTIFACTS_URI"], os.environ.get("TINKER_S3_ENDPOINT_URL"),
                                    home.cache)
     home.ensure()
-    return Tracker(home.mlflow_uri, artifact_location=str(home.mlflow_artifacts)), open_store(home.artifacts)
+    return Tracker(home.mlflow_uri, experiment_name, str(home.mlflow_artifacts)), open_store(home.artifacts)
 
 
 @dataclass

@@ -45,6 +45,8 @@ MODEL_ID_TAG = "tinker.model_id"
 SESSION_TAG = "tinker.session"
 PREFIX = "tinkerapi-"
 """Registered model names of Tinker API checkpoints start with this (not `tinker-`: see above)."""
+EXPERIMENT = "tinker-api"
+"""The MLflow experiment of the training clients' runs (`from_env`)."""
 KINDS = ("weights", "sampler_weights")
 STATUSES = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
 """`end_model` statuses and the MLflow run status each sets."""
@@ -124,6 +126,14 @@ class TinkerTracker:
         self.report_errors = 0
         """Reports that raised (each logged); their checkpoints are registered all the same."""
         self._models: dict[str, _Model] = {}
+
+    @classmethod
+    def from_env(cls, report: Callable[[LineageReport], None] | None = None) -> TinkerTracker:
+        """Over this deployment's MLflow (`registry_from_env`), its runs in the experiment
+        `EXPERIMENT` (apart from the `train` runs; the registry is the same one)."""
+        from tinker_pipelines.serving.registry import registry_from_env
+
+        return cls(registry_from_env(EXPERIMENT)[0], report)
 
     # -- runs ---------------------------------------------------------------------------------
     def start_model(self, model_id: str, session_id: str, base_model: str, lora: dict[str, Any],

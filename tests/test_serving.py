@@ -314,11 +314,30 @@ def test_logprobs_and_top_logprobs_in_openai_shape(endpoint, client):
     assert no_top.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-6)
 
 
+def test_streamed_logprobs_are_those_of_the_whole_reply(endpoint, client):
+    """Each chunk carries the logprobs of the tokens decoded since the previous one (held-back
+    text included later): joined, they are the non-streamed reply's, also with tool calls off."""
+    req = {"model": f"{MODEL}/2", "messages": Q, "max_tokens": 7, "temperature": 0, "logprobs": True,
+           "top_logprobs": 2}
+    whole = client.chat.completions.create(**req).choices[0].logprobs.content
+    parts = [e for c in client.chat.completions.create(**req, stream=True) for ch in c.choices
+             if ch.logprobs is not None for e in ch.logprobs.content]
+    assert [e.token for e in parts] == [e.token for e in whole] and len(whole) == 7
+    assert [e.logprob for e in parts] == pytest.approx([e.logprob for e in whole], abs=1e-4)
+    assert [[a.token for a in e.top_logprobs] for e in parts] == [[a.token for a in e.top_logprobs] for e in whole]
+    text = {"model": f"{MODEL}/2", "prompt": "1 + 1 =", "max_tokens": 7, "temperature": 0, "logprobs": 1}
+    one = client.completions.create(**text).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**text, stream=True)
+              if c.choices and c.choices[0].logprobs is not None]
+    assert [t for c in chunks for t in c.tokens] == one.tokens
+    assert [o for c in chunks for o in c.text_offset] == one.text_offset
+    assert [list(a) for c in chunks for a in c.top_logprobs] == [list(a) for a in one.top_logprobs]
+
+
 @pytest.mark.parametrize("route,body,param", [
     ("/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/chat/completions", {"logprobs": 1}, "logprobs"),
-    ("/chat/completions", {"logprobs": True, "stream": True}, "logprobs"),
     ("/completions", {"logprobs": 21}, "logprobs"),
     ("/completions", {"logprobs": True}, "logprobs"),
 ])

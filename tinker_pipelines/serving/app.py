@@ -216,9 +216,7 @@ def _top_logprobs(params: P.Params, k: int | None) -> int | None:
     """Ask the sampler for `k` alternatives per token (`SampleRequest.top_logprobs`); `k` back."""
     if k:
         params.extra["top_logprobs"] = k
-    if k is not None and params.stream:
-        raise bad_request("logprobs are not returned in streamed replies by this endpoint yet (leave logprobs "
-                          "unset with stream: true)", "logprobs")
+    params.logprobs = k
     return k
 
 
@@ -274,7 +272,8 @@ async def _respond(server: Server, body: dict, params: P.Params, kind: str, prom
         out["choices"] = [choice(s, i) for i, s in enumerate(samples)]
         out["usage"] = P.usage(sum(len(p) for p in prompts[:: params.n]), sum(len(s.tokens) for s in samples))
         return out
-    stream = _Stream(server, model, adapter, key, kind, prompts, max_tokens, params, gen, tools)
+    stream = _Stream(server, model, adapter, key, kind, prompts, max_tokens, params, gen, tools,
+                     bool(body.get("return_tokens_as_token_ids")))
     return StreamingResponse(stream.events(), media_type="text/event-stream")
 
 
@@ -296,6 +295,8 @@ class _Stream:
     params: P.Params
     gen: torch.Generator | None
     tools: bool
+    as_ids: bool = False
+    """Legacy completions name tokens `token_id:N` (`return_tokens_as_token_ids`)."""
 
     def __post_init__(self) -> None:
         self.chat = self.kind == "chat.completion"
@@ -305,6 +306,11 @@ class _Stream:
         """Text each choice has streamed so far."""
         self.finish: list[str | None] = [None for _ in self.prompts]
         self.base: dict[str, Any] = {}
+        self.k = self.params.logprobs
+        self.unsent: list[list[tuple]] = [[] for _ in self.prompts]
+        """Each choice's decoded (token, logprob, alternatives) whose logprobs no chunk carried yet."""
+        self.offset = [0 for _ in self.prompts]
+        """Characters of the token texts whose logprobs were sent (legacy `text_offset`)."""
 
     async def events(self) -> AsyncIterator[str]:
         """The server-sent events: a role chunk (chat), content chunks, the finish chunk, usage
@@ -346,6 +352,8 @@ class _Stream:
         pieces = []
         for i, s in zip(live, out):
             self.tokens[i] += s.tokens
+            if self.k is not None:
+                self.unsent[i] += zip(s.tokens, s.logprobs, s.top_logprobs or [()] * len(s.tokens))
             text, stopped = server.text(self.tokens[i], self.stops)  # a stop string may span segments
             if s.stop_reason == "stop" or stopped or len(self.tokens[i]) >= self.max_tokens:
                 self.finish[i] = "stop" if s.stop_reason == "stop" or stopped else "length"
@@ -368,7 +376,8 @@ class _Stream:
                     self.finish[i] = "tool_calls"
                     delta = {"content": content} if content else {}
                     delta["tool_calls"] = [{**c, "index": j} for j, c in enumerate(calls)]
-                    final.append({"index": i, "delta": delta, "logprobs": None, "finish_reason": "tool_calls"})
+                    final.append({"index": i, "delta": delta, "logprobs": self.logprobs(i),
+                                  "finish_reason": "tool_calls"})
                     continue
                 if text:
                     final.append(self.piece(i, text, None))
@@ -384,10 +393,24 @@ class _Stream:
         return f"data: {json.dumps(obj)}\n\n"
 
     def piece(self, i: int, text: str | None, finish: str | None, role: bool = False) -> dict:
+        lp = None if role else self.logprobs(i)
         if not self.chat:
-            return {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+    def logprobs(self, i: int) -> dict | None:
+        """The logprobs of choice i's tokens decoded since its last chunk (OpenAI's shape), or None."""
+        if self.k is None or not self.unsent[i]:
+            return None
+        tokens, lps, alts = zip(*self.unsent[i])
+        self.unsent[i] = []
+        s = Sample(tuple(tokens), tuple(lps), "length", top_logprobs=tuple(alts))
+        if self.chat:
+            return _chat_logprobs(self.server, s, self.k)
+        out = _completion_logprobs(self.server, s, self.k, self.as_ids, self.offset[i])
+        self.offset[i] += sum(len(self.server.tokenizer.decode([t])) for t in tokens)
+        return out
 
 
 def _hold_back(text: str, stops: tuple[str, ...]) -> str:
@@ -403,10 +426,10 @@ def _text_choice(server: Server, s: Sample, i: int, k: int | None, as_ids: bool,
             "finish_reason": "stop" if s.stop_reason == "stop" else "length"}
 
 
-def _completion_logprobs(server: Server, s: Sample, k: int, as_ids: bool) -> dict[str, Any]:
+def _completion_logprobs(server: Server, s: Sample, k: int, as_ids: bool, start: int = 0) -> dict[str, Any]:
     """OpenAI's legacy logprobs: tokens, their logprobs, for each token a map of the `k` most
     likely ones (and the sampled one, as OpenAI adds it) to their logprobs, and the character
-    offset of each token in the completion's text; `top_logprobs` is None with k = 0."""
+    offset of each token in the completion's text (the first at `start`); `top_logprobs` is None with k = 0."""
     texts = [server.tokenizer.decode([t]) for t in s.tokens]
     name = (lambda t: f"token_id:{t}") if as_ids else (lambda t: server.tokenizer.decode([t]))
     top = None
@@ -416,7 +439,7 @@ def _completion_logprobs(server: Server, s: Sample, k: int, as_ids: bool) -> dic
             d = {name(a): P.logprob_value(v) for a, v in alts[:k]}
             d.setdefault(name(t), P.logprob_value(x))
             top.append(d)
-    offsets = [0]
+    offsets = [start]
     for piece in texts[:-1]:
         offsets.append(offsets[-1] + len(piece))
     return {"tokens": [name(t) for t in s.tokens], "token_logprobs": [P.logprob_value(x) for x in s.logprobs],

@@ -46,6 +46,8 @@ class Params:
     seed: int | None
     extra: dict[str, Any]
     """Sampler fields beyond the basics (top_p, top_k, stop) with non-default values."""
+    logprobs: int | None = None
+    """Top logprobs per token the reply carries (0: each token's own only; None: no logprobs)."""
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:

@@ -242,6 +242,19 @@ def test_top_logprobs_are_those_of_the_distribution_each_token_was_drawn_from(ti
                     assert all(v == -math.inf for a, v in alts if not keep_TV[t, a])
 
 
+def test_top_logprobs_of_a_bf16_model_are_fp32_and_agree_with_the_sampled_logprob():
+    from tinker_pipelines.models import load_model
+
+    model, tok = load_model("tiny", dtype="bfloat16")
+    sampler = Sampler(model, tok.pad_token_id, stop_token_ids(tok), tokenizer=tok)
+    (s,) = sampler.sample([[5, 6, 7, 8]], 6, 0.8, torch.Generator().manual_seed(0), top_k=5, top_logprobs=4)
+    for token, lp, alts in zip(s.tokens, s.logprobs, s.top_logprobs):
+        assert dict(alts)[token] == lp and [v for _, v in alts] == sorted((v for _, v in alts), reverse=True)
+    # bf16 logits, logprobs computed in fp32 (values no bf16 number equals)
+    values = [v for alts in s.top_logprobs for _, v in alts]
+    assert any(torch.tensor(v).bfloat16().float().item() != v for v in values) and not torch.cuda.is_initialized()
+
+
 def _recompute(model, lcfg: LearnerConfig, prompt, tokens) -> torch.Tensor:
     ids = torch.tensor([list(prompt) + list(tokens)])
     with torch.no_grad():

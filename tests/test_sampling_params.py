@@ -198,6 +198,63 @@ def test_mixed_requests_in_one_batch_equal_each_request_alone(tiny):
                 assert torch.allclose(got, torch.tensor(s.logprobs), atol=1e-4, rtol=0)
 
 
+def test_top_logprobs_are_those_of_the_distribution_each_token_was_drawn_from(tiny):
+    """`SampleRequest.top_logprobs`: per token, the k most likely tokens of the very distribution
+    it was drawn from (temperature and truncation applied, greedy at temperature 1), recomputed
+    here from a full forward; asking for them changes no token or logprob, and requests with
+    different k (or none) share one batch."""
+    model, tok = tiny
+    prompts = _prompts(len(tok))
+    sampler = Sampler(model, tok.pad_token_id, stop_token_ids(tok), tokenizer=tok, reuse_prompts=False)
+    kinds = [dict(temperature=0.8, top_k=4, top_logprobs=6), dict(temperature=0.0, top_logprobs=3),
+             dict(temperature=1.1, top_p=0.9, top_logprobs=5), dict(temperature=0.7), dict(temperature=1.0, top_logprobs=2)]
+
+    def requests(top: bool):
+        # requests 1 and 3 end early: their rows are pruned while the others decode on
+        return [SampleRequest(prompts[i:i + 2], 8 if i % 2 == 0 else 2, generator=torch.Generator().manual_seed(20 + i),
+                              **{k: v for k, v in kw.items() if top or k != "top_logprobs"}) for i, kw in enumerate(kinds)]
+
+    with_top, without = sampler.sample_requests(requests(True)), sampler.sample_requests(requests(False))
+    for i, (kw, out, plain) in enumerate(zip(kinds, with_top, without)):
+        assert [s.tokens for s in out] == [s.tokens for s in plain] and [s.logprobs for s in out] == [s.logprobs for s in plain]
+        k = kw.get("top_logprobs", 0)
+        for prompt, s in zip(prompts[i:i + 2], out):
+            assert len(s.top_logprobs) == (len(s.tokens) if k else 0)
+            if not k:
+                continue
+            ids = torch.tensor([list(prompt) + list(s.tokens)])
+            with torch.no_grad():
+                logits_TV = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+            T = kw["temperature"] or 1.0
+            dist_TV = torch.log_softmax(logits_TV / T, dim=-1)
+            trunc = {x: kw[x] for x in ("top_k", "top_p") if x in kw}
+            if trunc:
+                keep_TV = keep_mask(dist_TV, trunc.get("top_k", 0), trunc.get("top_p", 1.0), 0.0)
+                dist_TV = torch.where(keep_TV, dist_TV - torch.logsumexp(dist_TV.masked_fill(~keep_TV, -math.inf), -1,
+                                                                         keepdim=True), -math.inf)
+            want_TK = dist_TV.topk(k, dim=-1)
+            for t, (token, lp, alts) in enumerate(zip(s.tokens, s.logprobs, s.top_logprobs)):
+                n = int(want_TK.values[t].isfinite().sum())  # past the kept set, any order of no-mass tokens
+                assert [a for a, _ in alts][:n] == want_TK.indices[t, :n].tolist() and len(alts) == k
+                assert [v for _, v in alts] == pytest.approx(want_TK.values[t].tolist(), abs=1e-4)
+                assert dict(alts).get(token, lp) == lp  # the sampled token's own logprob, exactly
+                if trunc:  # outside the kept set: no mass
+                    assert all(v == -math.inf for a, v in alts if not keep_TV[t, a])
+
+
+def test_top_logprobs_of_a_bf16_model_are_fp32_and_agree_with_the_sampled_logprob():
+    from tinker_pipelines.models import load_model
+
+    model, tok = load_model("tiny", dtype="bfloat16")
+    sampler = Sampler(model, tok.pad_token_id, stop_token_ids(tok), tokenizer=tok)
+    (s,) = sampler.sample([[5, 6, 7, 8]], 6, 0.8, torch.Generator().manual_seed(0), top_k=5, top_logprobs=4)
+    for token, lp, alts in zip(s.tokens, s.logprobs, s.top_logprobs):
+        assert dict(alts)[token] == lp and [v for _, v in alts] == sorted((v for _, v in alts), reverse=True)
+    # bf16 logits, logprobs computed in fp32 (values no bf16 number equals)
+    values = [v for alts in s.top_logprobs for _, v in alts]
+    assert any(torch.tensor(v).bfloat16().float().item() != v for v in values) and not torch.cuda.is_initialized()
+
+
 def _recompute(model, lcfg: LearnerConfig, prompt, tokens) -> torch.Tensor:
     ids = torch.tensor([list(prompt) + list(tokens)])
     with torch.no_grad():

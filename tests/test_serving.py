@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import signal
 import tempfile
@@ -273,6 +274,80 @@ def test_bad_requests_are_openai_errors_naming_the_field(endpoint, client):
         assert status == 400 and body["error"]["param"] == field, (field, body)
 
 
+def test_logprobs_and_top_logprobs_in_openai_shape(endpoint, client):
+    """Chat `logprobs: true, top_logprobs: k` and completions `logprobs: k`: each token's logprob
+    and its k most likely alternatives, those of the in-process sampler for the same version, under
+    the distribution the token was drawn from (a truncated one: the alternatives it dropped have
+    no mass, -9999.0 as vLLM writes -inf)."""
+    server, url = endpoint
+    exp = _in_process("2")
+    prompt = exp.tokenizer.encode(exp.tokenizer.apply_chat_template(Q, add_generation_prompt=True, tokenize=False),
+                                  add_special_tokens=False)
+    (want,) = exp.sampler().sample([prompt], 5, 0.0, top_logprobs=3)
+    got = client.chat.completions.create(model=f"{MODEL}/2", messages=Q, max_tokens=5, temperature=0, logprobs=True,
+                                         top_logprobs=3)
+    content = got.choices[0].logprobs.content
+    assert len(content) == len(want.tokens) == got.usage.completion_tokens
+    for entry, t, lp, alts in zip(content, want.tokens, want.logprobs, want.top_logprobs):
+        assert entry.token == exp.tokenizer.decode([t]) and entry.logprob == pytest.approx(lp, abs=1e-4)
+        assert [a.token for a in entry.top_logprobs] == [exp.tokenizer.decode([a]) for a, _ in alts]
+        assert [a.logprob for a in entry.top_logprobs] == pytest.approx([v for _, v in alts], abs=1e-4)
+        assert entry.top_logprobs[0].logprob == entry.logprob  # greedy: the sampled token is the most likely
+    text = bytes(b for e in content for b in e.bytes).decode("utf-8", errors="replace")
+    assert got.choices[0].message.content and text.startswith(got.choices[0].message.content)
+    # sampled at T=0.7 from the top 2: both alternatives hold all the mass, the third none
+    trunc = client.chat.completions.create(model=f"{MODEL}/2", messages=Q, max_tokens=4, temperature=0.7, seed=3,
+                                           logprobs=True, top_logprobs=3, extra_body={"top_k": 2})
+    for entry in trunc.choices[0].logprobs.content:
+        a, b, c = (x.logprob for x in entry.top_logprobs)
+        assert math.log(math.exp(a) + math.exp(b)) == pytest.approx(0.0, abs=1e-5) and c == -9999.0
+        assert entry.logprob in (a, b)
+    # legacy completions: a map per token (the sampled token always in it) and text offsets
+    text = client.completions.create(model=f"{MODEL}/2", prompt="1 + 1 =", max_tokens=4, temperature=0, logprobs=2)
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    for tok, x, alts in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 2 <= len(alts) <= 3 and alts[tok] == x
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    no_top = client.completions.create(model=f"{MODEL}/2", prompt="1 + 1 =", max_tokens=4, temperature=0, logprobs=0)
+    assert no_top.choices[0].logprobs.top_logprobs is None
+    assert no_top.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-6)
+
+
+def test_streamed_logprobs_are_those_of_the_whole_reply(endpoint, client):
+    """Each chunk carries the logprobs of the tokens decoded since the previous one (held-back
+    text included later): joined, they are the non-streamed reply's, also with tool calls off."""
+    req = {"model": f"{MODEL}/2", "messages": Q, "max_tokens": 7, "temperature": 0, "logprobs": True,
+           "top_logprobs": 2}
+    whole = client.chat.completions.create(**req).choices[0].logprobs.content
+    parts = [e for c in client.chat.completions.create(**req, stream=True) for ch in c.choices
+             if ch.logprobs is not None for e in ch.logprobs.content]
+    assert [e.token for e in parts] == [e.token for e in whole] and len(whole) == 7
+    assert [e.logprob for e in parts] == pytest.approx([e.logprob for e in whole], abs=1e-4)
+    assert [[a.token for a in e.top_logprobs] for e in parts] == [[a.token for a in e.top_logprobs] for e in whole]
+    text = {"model": f"{MODEL}/2", "prompt": "1 + 1 =", "max_tokens": 7, "temperature": 0, "logprobs": 1}
+    one = client.completions.create(**text).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**text, stream=True)
+              if c.choices and c.choices[0].logprobs is not None]
+    assert [t for c in chunks for t in c.tokens] == one.tokens
+    assert [o for c in chunks for o in c.text_offset] == one.text_offset
+    assert [list(a) for c in chunks for a in c.top_logprobs] == [list(a) for a in one.top_logprobs]
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/chat/completions", {"logprobs": 1}, "logprobs"),
+    ("/completions", {"logprobs": 21}, "logprobs"),
+    ("/completions", {"logprobs": True}, "logprobs"),
+])
+def test_logprobs_out_of_bounds_are_refused_naming_the_field(endpoint, route, body, param):
+    server, url = endpoint
+    ask = {"messages": Q} if route == "/chat/completions" else {"prompt": "1 + 1 ="}
+    status, out = _post(url, route, json.dumps({"model": server.base_name, **ask, **body}).encode())
+    assert status == 400 and out["error"]["param"] == param and out["error"]["type"] == "invalid_request_error", out
+
+
 def test_a_client_gone_mid_stream_frees_its_slot_and_others_are_served(endpoint, client):
     server, url = endpoint
     host, port = url.split("//")[1].split("/")[0].split(":")
@@ -365,6 +440,12 @@ def test_served_from_a_resident_worker_the_tokens_are_the_same(instance, endpoin
             expected = client.chat.completions.create(**{**req, "model": endpoint[0].base_name if model == "base"
                                                           else model}).choices[0].message.content
             assert c.chat.completions.create(**req).choices[0].message.content == expected, model
+        # top logprobs travel over the worker's socket
+        req = {"model": f"{MODEL}/1", "prompt": "1 + 1 =", "max_tokens": 3, "temperature": 0, "logprobs": 3}
+        remote, local = c.completions.create(**req).choices[0].logprobs, client.completions.create(**req).choices[0].logprobs
+        assert remote.tokens == local.tokens and [list(a) for a in remote.top_logprobs] == [list(a) for a in local.top_logprobs]
+        assert [v for a in remote.top_logprobs for v in a.values()] == pytest.approx(
+            [v for a in local.top_logprobs for v in a.values()], abs=1e-4)
         thread.stop()
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

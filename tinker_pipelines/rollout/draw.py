@@ -14,7 +14,7 @@ def sample_tokens(logits_BV: torch.Tensor, temperature: float | torch.Tensor,
                   uniforms_B: torch.Tensor | None = None, *, top_k: int | torch.Tensor = 0,
                   top_p: float | torch.Tensor = 1.0,
                   min_p: float | torch.Tensor = 0.0, with_support: bool = False,
-                  host_temperatures: list[float] | None = None) -> tuple[torch.Tensor, ...]:
+                  host_temperatures: list[float] | None = None, top_logprobs: int = 0) -> tuple[torch.Tensor, ...]:
     """Draw one token per row; return (tokens_B, logprobs_B), and with `with_support` also
     support_B: how many tokens the truncated distribution of each row kept (0 where nothing was
     truncated, greedy rows included), which the learner needs to renormalize exactly as the draw
@@ -34,15 +34,20 @@ def sample_tokens(logits_BV: torch.Tensor, temperature: float | torch.Tensor,
     `host_temperatures`: the values of a per-row `temperature` tensor, as Python floats of its
     dtype (`tensor.tolist()`), when the caller has them: which rows are greedy is then read from
     them instead of from the device (no host sync per call on a GPU; the same branches).
+
+    `top_logprobs` = K > 0 appends (top_logprobs_BK, top_ids_BK): each row's K most likely tokens
+    under the very distribution its token was drawn from and its logprob reported in, most likely
+    first (greedy rows: temperature 1, untruncated; a token outside a truncated row's support has
+    -inf). So the sampled token, when among them, has exactly its `logprobs_B` value.
     """
     out = _draw(logits_BV.float(), temperature, generator, uniforms_B,
-                (top_k, top_p, min_p) if is_active(top_k, top_p, min_p) else None, host_temperatures)
-    return out if with_support else out[:2]
+                (top_k, top_p, min_p) if is_active(top_k, top_p, min_p) else None, host_temperatures, top_logprobs)
+    return (out[:3] if with_support else out[:2]) + (out[3:] if top_logprobs else ())
 
 
 def _draw(logits_BV: torch.Tensor, temperature: float | torch.Tensor, generator: torch.Generator | None,
-          uniforms_B: torch.Tensor | None, truncation: tuple | None, host_temperatures: list[float] | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          uniforms_B: torch.Tensor | None, truncation: tuple | None, host_temperatures: list[float] | None = None,
+          n_top: int = 0) -> tuple[torch.Tensor, ...]:
     B, V = logits_BV.shape
     if isinstance(temperature, torch.Tensor):
         temp_B = temperature.to(logits_BV.device, torch.float32)
@@ -62,18 +67,19 @@ def _draw(logits_BV: torch.Tensor, temperature: float | torch.Tensor, generator:
             temperature = 0.0
         else:
             scaled = logits_BV / torch.where(greedy_B, 1.0, temp_B)[:, None]
-            return _invert_cdf(torch.log_softmax(scaled, dim=-1), generator, uniforms_B, greedy_B, truncation)
+            return _invert_cdf(torch.log_softmax(scaled, dim=-1), generator, uniforms_B, greedy_B, truncation, n_top)
     if isinstance(temperature, (int, float)) and temperature == 0:
         logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
         tokens_B = logprobs_BV.argmax(dim=-1)
-        return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1), torch.zeros_like(tokens_B)
+        top = logprobs_BV.topk(min(n_top, V), dim=-1) if n_top else ()
+        return (tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1), torch.zeros_like(tokens_B), *top)
     scaled = logits_BV if isinstance(temperature, (int, float)) and temperature == 1 else logits_BV / temperature
-    return _invert_cdf(torch.log_softmax(scaled, dim=-1), generator, uniforms_B, None, truncation)
+    return _invert_cdf(torch.log_softmax(scaled, dim=-1), generator, uniforms_B, None, truncation, n_top)
 
 
 def _invert_cdf(logprobs_BV: torch.Tensor, generator: torch.Generator | None, uniforms_B: torch.Tensor | None,
-                greedy_B: torch.Tensor | None, truncation: tuple | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                greedy_B: torch.Tensor | None, truncation: tuple | None = None, n_top: int = 0
+                ) -> tuple[torch.Tensor, ...]:
     B, V = logprobs_BV.shape
     if uniforms_B is None:
         device = generator.device if generator is not None else "cpu"
@@ -100,4 +106,10 @@ def _invert_cdf(logprobs_BV: torch.Tensor, generator: torch.Generator | None, un
     if truncation is not None:  # log of the renormalized distribution (greedy rows: untruncated)
         renorm_B = lp_B - total_B1.squeeze(1).log()
         lp_B = renorm_B if greedy_B is None else torch.where(greedy_B, lp_B, renorm_B)
-    return tokens_B, lp_B, support_B
+    if not n_top:
+        return tokens_B, lp_B, support_B
+    top_BK, ids_BK = logprobs_BV.topk(min(n_top, V), dim=-1)
+    if truncation is not None:  # the same renormalization; dropped tokens have no mass
+        shift_B1 = total_B1.log() if greedy_B is None else torch.where(greedy_B[:, None], 0.0, total_B1.log())
+        top_BK = torch.where(keep_BV.gather(1, ids_BK), top_BK - shift_B1, float("-inf"))
+    return tokens_B, lp_B, support_B, top_BK, ids_BK

@@ -117,11 +117,13 @@ class Sampler:
 
     def sample(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
                generator: torch.Generator | None = None, *, top_k: int = 0, top_p: float = 1.0,
-               min_p: float = 0.0, stop: tuple[str, ...] | list[str] = ()) -> list[Sample]:
+               min_p: float = 0.0, stop: tuple[str, ...] | list[str] = (), top_logprobs: int = 0) -> list[Sample]:
         """Complete every prompt; rows are independent of each other's lengths. `top_k`, `top_p`,
-        `min_p` and `stop` are `SampleRequest`'s (the defaults: no truncation, no stop strings)."""
+        `min_p`, `stop` and `top_logprobs` are `SampleRequest`'s (the defaults: no truncation, no
+        stop strings, no top logprobs)."""
         return self.sample_requests([SampleRequest(prompts, max_new_tokens, temperature, generator, top_k=top_k,
-                                                   top_p=top_p, min_p=min_p, stop=tuple(stop))])[0]
+                                                   top_p=top_p, min_p=min_p, stop=tuple(stop),
+                                                   top_logprobs=top_logprobs)])[0]
 
     def supports_mixed_adapters(self) -> bool:
         """Whether rows of different LoRA adapters can decode in one batch (lean Llama path,
@@ -211,6 +213,8 @@ class Sampler:
         if not math.isfinite(r.temperature) or r.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {r.temperature}")
         check_params(r.top_k, r.top_p, r.min_p)
+        if isinstance(r.top_logprobs, bool) or not isinstance(r.top_logprobs, int) or r.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be an integer >= 0, got {r.top_logprobs!r}")
         if not all(isinstance(x, str) and x for x in r.stop):
             raise ValueError(f"stop must be non-empty strings, got {r.stop!r}")
         if r.stop and self.tokenizer is None:
@@ -421,6 +425,10 @@ class _DecodeRows:
         self.tok_BT = torch.empty((B, M), dtype=torch.long, device=device)
         self.lp_BT = torch.empty((B, M), dtype=torch.float32, device=device)
         self.sup_BT = torch.zeros((B, M), dtype=torch.long, device=device) if self.trunc is not None else None
+        # top logprobs: the largest k any request asks for, each row read out with its own
+        self.top_k = min(max(r.top_logprobs for r in requests), vocab)
+        self.top_BTK = torch.empty((B, M, self.top_k), dtype=torch.float32, device=device) if self.top_k else None
+        self.top_ids_BTK = torch.empty((B, M, self.top_k), dtype=torch.long, device=device) if self.top_k else None
         self.live_B = torch.ones(B, dtype=torch.bool, device=device)
         self.end_B = self.maxnew_B.clone()  # tokens kept per row
         self.req_live = [len(r.prompts) for r in requests]
@@ -437,11 +445,14 @@ class _DecodeRows:
         """Draw step `t`'s tokens from `logits_BV`, record them, and end (on the device) the rows
         that drew a stop token or reached their length; returns tok_B."""
         uniform_temp = self.temperature is not None
-        tok_B, lp_B, sup_B = sample_tokens(
+        tok_B, lp_B, sup_B, *top = sample_tokens(
             logits_BV, self.temperature if uniform_temp else self.temp_B, None,
             u_B if u_B is not None else torch.zeros(len(self.rows), device=self.device),
             **(dict(zip(("top_k", "top_p", "min_p"), self.trunc)) if self.trunc else {}),
-            with_support=True, host_temperatures=None if uniform_temp else [self.temps32[r] for r in self.rows])
+            with_support=True, host_temperatures=None if uniform_temp else [self.temps32[r] for r in self.rows],
+            top_logprobs=self.top_k)
+        if top:
+            self.top_BTK[:, t], self.top_ids_BTK[:, t] = top
         self.tok_BT[:, t] = tok_B
         self.lp_BT[:, t] = lp_B
         if self.sup_BT is not None:
@@ -476,6 +487,8 @@ class _DecodeRows:
         self.tok_BT, self.lp_BT, self.end_B, self.live_B = (self.tok_BT[keep], self.lp_BT[keep], self.end_B[keep],
                                                             self.live_B[keep])
         self.sup_BT = self.sup_BT[keep] if self.sup_BT is not None else None
+        if self.top_k:
+            self.top_BTK, self.top_ids_BTK = self.top_BTK[keep], self.top_ids_BTK[keep]
         self.temp_B, self.maxnew_B, self.req_B, self.row_idx = (self.temp_B[keep], self.maxnew_B[keep],
                                                                 self.req_B[keep], self.row_idx[keep])
         if self.trunc is not None and isinstance(self.trunc[0], torch.Tensor):
@@ -518,13 +531,17 @@ class _DecodeRows:
         toks, lps = self.tok_BT[idx, :t_end].tolist(), self.lp_BT[idx, :t_end].tolist()
         ends = self.end_B[idx].tolist()
         sups = self.sup_BT[idx, :t_end].tolist() if self.sup_BT is not None else None
+        tops = (self.top_BTK[idx, :t_end].tolist(), self.top_ids_BTK[idx, :t_end].tolist()) if self.top_k else None
         for j, i in enumerate(idx):
             n = ends[j]
             hit = self.stop_hit.get(self.rows[i])
             support = tuple(sups[j][:n]) if sups is not None and any(sups[j][:n]) else ()
+            k = self.requests[self.req_of[self.rows[i]]].top_logprobs
+            top = tuple(tuple(zip(ids[:k], lps_k[:k])) for lps_k, ids in zip(tops[0][j][:n], tops[1][j][:n])) \
+                if tops is not None and k else ()
             self.results[self.rows[i]] = Sample(
                 tuple(toks[j][:n]), tuple(lps[j][:n]),
-                "stop" if hit is not None or toks[j][n - 1] in self.stop_set else "length", hit, support)
+                "stop" if hit is not None or toks[j][n - 1] in self.stop_set else "length", hit, support, top)
 
     def by_request(self) -> list[list[Sample]]:
         results, offsets = self.results, self.offsets

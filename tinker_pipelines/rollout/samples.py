@@ -28,6 +28,10 @@ class Sample:
     """How many tokens the truncated distribution kept at each step (top-k / top-p / min-p), one
     per token; empty when nothing was truncated. The learner renormalizes over as many of its own
     most likely tokens (`Datum.support_sizes`), so its logprobs are those of this distribution."""
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    """With `SampleRequest.top_logprobs` = k: for each token, the k most likely tokens as (id,
+    logprob), most likely first, under the distribution that token was drawn from (the one
+    `logprobs` are of; -inf outside a truncated support); empty otherwise."""
 
 
 @dataclass
@@ -54,6 +58,8 @@ class SampleRequest:
     stop: tuple[str, ...] = ()
     """Stop strings: a row ends at the token with which its decoded text (special tokens
     skipped) first contains one of them; needs the sampler's tokenizer."""
+    top_logprobs: int = 0
+    """Also return each step's this many most likely tokens and their logprobs (`Sample.top_logprobs`); 0: off."""
 
 
 BASE = "__base__"

@@ -83,7 +83,8 @@ class Server:
         if v is not None:  # what a client needs to play the version's env against it (`serving.client`)
             from tinker_pipelines.config import config_to_dict
 
-            out["tinker"] = {"registered_model": v.model, "version": v.version, "config": config_to_dict(v.config)}
+            out["tinker"] = {"registered_model": v.model, "version": v.version,
+                             "config": None if v.config is None else config_to_dict(v.config), "learner": v.learner}
         return out
 
     # -- decoding --------------------------------------------------------------------------
@@ -188,13 +189,12 @@ async def _completions(req: Request):
     for key, default in (("echo", False), ("best_of", 1), ("suffix", None)):
         if body.get(key, default) not in (default, None):
             raise bad_request(f"{key} is not supported by this endpoint", key)
-    if body.get("logprobs") not in (None, 0):
-        raise bad_request("logprobs: only 0 (the sampled token's logprob) is supported", "logprobs")
+    k = _top_logprobs(params, P.logprobs_asked(body, chat=False))
     prompts = P.completion_prompts(body, server.tokenizer)
     max_tokens = server.check_lengths(prompts, params, "prompt")
     as_ids = bool(body.get("return_tokens_as_token_ids"))
     return await _respond(server, body, params, "text_completion", [p for p in prompts for _ in range(params.n)],
-                          max_tokens, lambda s, i: _text_choice(server, s, i, body.get("logprobs") == 0, as_ids,
+                          max_tokens, lambda s, i: _text_choice(server, s, i, k, as_ids,
                                                                 params.extra.get("stop", ())), tools=False)
 
 
@@ -206,10 +206,18 @@ async def _chat(req: Request):
     tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
     prompt = _chat_prompt(server, messages, body.get("tools"))
     max_tokens = server.check_lengths([prompt], params, "messages")
-    want_lp = bool(body.get("logprobs"))
+    k = _top_logprobs(params, P.logprobs_asked(body, chat=True))
     return await _respond(server, body, params, "chat.completion", [prompt] * params.n, max_tokens,
-                          lambda s, i: _chat_choice(server, s, i, tools, want_lp, params.extra.get("stop", ())),
+                          lambda s, i: _chat_choice(server, s, i, tools, k, params.extra.get("stop", ())),
                           tools=tools)
+
+
+def _top_logprobs(params: P.Params, k: int | None) -> int | None:
+    """Ask the sampler for `k` alternatives per token (`SampleRequest.top_logprobs`); `k` back."""
+    if k:
+        params.extra["top_logprobs"] = k
+    params.logprobs = k
+    return k
 
 
 async def _body_of(server: Server, req: Request, allowed: set[str]) -> tuple[dict, P.Params]:
@@ -231,11 +239,6 @@ def _check_chat_fields(body: dict) -> None:
         raise bad_request("response_format: only {type: text} is supported", "response_format")
     if body.get("tool_choice") not in (None, "auto", "none"):
         raise bad_request("tool_choice: only 'auto' and 'none' are supported", "tool_choice")
-    if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
-        raise bad_request(f"logprobs must be a boolean, got {body['logprobs']!r}", "logprobs")
-    if body.get("top_logprobs") not in (None, 0):
-        raise bad_request("top_logprobs: only 0 is supported (each sampled token's own logprob is returned "
-                          "with logprobs: true)", "top_logprobs")
 
 
 def _chat_prompt(server: Server, messages: list, tools: Any) -> list[int]:
@@ -269,7 +272,8 @@ async def _respond(server: Server, body: dict, params: P.Params, kind: str, prom
         out["choices"] = [choice(s, i) for i, s in enumerate(samples)]
         out["usage"] = P.usage(sum(len(p) for p in prompts[:: params.n]), sum(len(s.tokens) for s in samples))
         return out
-    stream = _Stream(server, model, adapter, key, kind, prompts, max_tokens, params, gen, tools)
+    stream = _Stream(server, model, adapter, key, kind, prompts, max_tokens, params, gen, tools,
+                     bool(body.get("return_tokens_as_token_ids")))
     return StreamingResponse(stream.events(), media_type="text/event-stream")
 
 
@@ -291,6 +295,8 @@ class _Stream:
     params: P.Params
     gen: torch.Generator | None
     tools: bool
+    as_ids: bool = False
+    """Legacy completions name tokens `token_id:N` (`return_tokens_as_token_ids`)."""
 
     def __post_init__(self) -> None:
         self.chat = self.kind == "chat.completion"
@@ -300,6 +306,11 @@ class _Stream:
         """Text each choice has streamed so far."""
         self.finish: list[str | None] = [None for _ in self.prompts]
         self.base: dict[str, Any] = {}
+        self.k = self.params.logprobs
+        self.unsent: list[list[tuple]] = [[] for _ in self.prompts]
+        """Each choice's decoded (token, logprob, alternatives) whose logprobs no chunk carried yet."""
+        self.offset = [0 for _ in self.prompts]
+        """Characters of the token texts whose logprobs were sent (legacy `text_offset`)."""
 
     async def events(self) -> AsyncIterator[str]:
         """The server-sent events: a role chunk (chat), content chunks, the finish chunk, usage
@@ -341,6 +352,8 @@ class _Stream:
         pieces = []
         for i, s in zip(live, out):
             self.tokens[i] += s.tokens
+            if self.k is not None:
+                self.unsent[i] += zip(s.tokens, s.logprobs, s.top_logprobs or [()] * len(s.tokens))
             text, stopped = server.text(self.tokens[i], self.stops)  # a stop string may span segments
             if s.stop_reason == "stop" or stopped or len(self.tokens[i]) >= self.max_tokens:
                 self.finish[i] = "stop" if s.stop_reason == "stop" or stopped else "length"
@@ -363,7 +376,8 @@ class _Stream:
                     self.finish[i] = "tool_calls"
                     delta = {"content": content} if content else {}
                     delta["tool_calls"] = [{**c, "index": j} for j, c in enumerate(calls)]
-                    final.append({"index": i, "delta": delta, "logprobs": None, "finish_reason": "tool_calls"})
+                    final.append({"index": i, "delta": delta, "logprobs": self.logprobs(i),
+                                  "finish_reason": "tool_calls"})
                     continue
                 if text:
                     final.append(self.piece(i, text, None))
@@ -379,10 +393,24 @@ class _Stream:
         return f"data: {json.dumps(obj)}\n\n"
 
     def piece(self, i: int, text: str | None, finish: str | None, role: bool = False) -> dict:
+        lp = None if role else self.logprobs(i)
         if not self.chat:
-            return {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+    def logprobs(self, i: int) -> dict | None:
+        """The logprobs of choice i's tokens decoded since its last chunk (OpenAI's shape), or None."""
+        if self.k is None or not self.unsent[i]:
+            return None
+        tokens, lps, alts = zip(*self.unsent[i])
+        self.unsent[i] = []
+        s = Sample(tuple(tokens), tuple(lps), "length", top_logprobs=tuple(alts))
+        if self.chat:
+            return _chat_logprobs(self.server, s, self.k)
+        out = _completion_logprobs(self.server, s, self.k, self.as_ids, self.offset[i])
+        self.offset[i] += sum(len(self.server.tokenizer.decode([t])) for t in tokens)
+        return out
 
 
 def _hold_back(text: str, stops: tuple[str, ...]) -> str:
@@ -392,24 +420,52 @@ def _hold_back(text: str, stops: tuple[str, ...]) -> str:
     return text[: len(text) - cut]
 
 
-def _text_choice(server: Server, s: Sample, i: int, logprobs: bool, as_ids: bool, stop: tuple[str, ...]) -> dict:
-    lp = None
-    if logprobs:
-        toks = [f"token_id:{t}" if as_ids else server.tokenizer.decode([t]) for t in s.tokens]
-        lp = {"tokens": toks, "token_logprobs": list(s.logprobs), "top_logprobs": None, "text_offset": None}
-    return {"index": i, "text": server.text(s.tokens, stop)[0], "logprobs": lp,
+def _text_choice(server: Server, s: Sample, i: int, k: int | None, as_ids: bool, stop: tuple[str, ...]) -> dict:
+    return {"index": i, "text": server.text(s.tokens, stop)[0],
+            "logprobs": None if k is None else _completion_logprobs(server, s, k, as_ids),
             "finish_reason": "stop" if s.stop_reason == "stop" else "length"}
 
 
-def _chat_choice(server: Server, s: Sample, i: int, tools: bool, logprobs: bool, stop: tuple[str, ...]) -> dict:
+def _completion_logprobs(server: Server, s: Sample, k: int, as_ids: bool, start: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy logprobs: tokens, their logprobs, for each token a map of the `k` most
+    likely ones (and the sampled one, as OpenAI adds it) to their logprobs, and the character
+    offset of each token in the completion's text (the first at `start`); `top_logprobs` is None with k = 0."""
+    texts = [server.tokenizer.decode([t]) for t in s.tokens]
+    name = (lambda t: f"token_id:{t}") if as_ids else (lambda t: server.tokenizer.decode([t]))
+    top = None
+    if k:
+        top = []
+        for t, x, alts in zip(s.tokens, s.logprobs, s.top_logprobs):
+            d = {name(a): P.logprob_value(v) for a, v in alts[:k]}
+            d.setdefault(name(t), P.logprob_value(x))
+            top.append(d)
+    offsets = [start]
+    for piece in texts[:-1]:
+        offsets.append(offsets[-1] + len(piece))
+    return {"tokens": [name(t) for t in s.tokens], "token_logprobs": [P.logprob_value(x) for x in s.logprobs],
+            "top_logprobs": top, "text_offset": offsets[: len(texts)]}
+
+
+def _chat_choice(server: Server, s: Sample, i: int, tools: bool, k: int | None, stop: tuple[str, ...]) -> dict:
     text = server.text(s.tokens, stop)[0]
     content, calls = P.tool_message(text) if tools else (text, None)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls
-    lp = None
-    if logprobs:
-        lp = {"content": [{"token": server.tokenizer.decode([t]), "logprob": x, "bytes": None, "top_logprobs": []}
-                          for t, x in zip(s.tokens, s.logprobs)]}
     finish = "tool_calls" if calls else ("stop" if s.stop_reason == "stop" else "length")
-    return {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}
+    return {"index": i, "message": message, "logprobs": None if k is None else _chat_logprobs(server, s, k),
+            "finish_reason": finish}
+
+
+def _chat_logprobs(server: Server, s: Sample, k: int) -> dict[str, Any]:
+    """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and `k` alternatives."""
+    tok = server.tokenizer
+    alts = [a[:k] for a in s.top_logprobs] if k else [() for _ in s.tokens]
+    ids = sorted({t for t in s.tokens} | {a for row in alts for a, _ in row})
+    text = dict(zip(ids, (tok.decode([t]) for t in ids)))
+    raw = dict(zip(ids, P.token_bytes(tok, ids)))
+
+    def entry(t: int, x: float) -> dict[str, Any]:
+        return {"token": text[t], "logprob": P.logprob_value(x), "bytes": raw[t]}
+    return {"content": [{**entry(t, x), "top_logprobs": [entry(a, v) for a, v in row]}
+                        for t, x, row in zip(s.tokens, s.logprobs, alts)], "refusal": None}

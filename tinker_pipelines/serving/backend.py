@@ -28,8 +28,18 @@ from tinker_pipelines.serving.registry import Version
 
 
 def learner_config(v: Version) -> LearnerConfig:
-    """The adapter's shape as it was trained (rank, alpha, targets); no value head or reference:
+    """The adapter's shape as it was trained (rank, alpha, targets, from the checkpoint's record;
+    from the run config for a record that predates `learner`); no value head or reference:
     serving only decodes."""
+    if v.learner:
+        lr = v.learner
+        targets = lr.get("lora_targets")
+        shape = {"lora_targets": tuple(targets)} if targets else {}
+        return LearnerConfig(mode="lora", lora_rank=int(lr["lora_rank"]), lora_alpha=float(lr["lora_alpha"]),
+                             learning_rate=float(lr.get("learning_rate", 1e-4)), **shape)
+    if v.config is None:
+        raise ServingError(400, f"{v.key} records neither its learner settings nor a run config: its LoRA shape is "
+                                "unknown", param="model", code="model_not_servable")
     t = v.config.training
     return LearnerConfig(mode="lora", lora_rank=t.lora_rank, lora_alpha=t.lora_alpha, learning_rate=t.learning_rate)
 
@@ -173,7 +183,8 @@ class WorkerBackend:
 
         try:
             out = self._clients[name].sample(sample_call(name, r.prompts, r.max_new_tokens, r.temperature, r.generator,
-                                                         top_k=r.top_k, top_p=r.top_p, min_p=r.min_p, stop=r.stop))
+                                                         top_k=r.top_k, top_p=r.top_p, min_p=r.min_p, stop=r.stop,
+                                                         top_logprobs=r.top_logprobs))
             if r.generator is not None:
                 set_generator_state(r.generator, out.generator_state)
             self.batches += 1

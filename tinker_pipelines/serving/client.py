@@ -87,6 +87,9 @@ def evaluate_endpoint(base_url: str, model: str, num_tasks: int | None = None) -
     sampler = EndpointSampler(base_url, model)
     if "tinker" not in sampler.card:
         raise ValueError(f"{model!r} is the endpoint's base, not a registered version: there is no env to evaluate on")
+    if sampler.card["tinker"].get("config") is None:
+        raise ValueError(f"{model!r} was saved through the Tinker API and has no run config: there is no env to "
+                         "evaluate on")
     cfg = config_from_dict(sampler.card["tinker"]["config"])
     tokenizer = load_tokenizer(cfg.model.name)
     spec = cfg.env.spec(evaluation=True)

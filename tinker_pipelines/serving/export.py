@@ -224,5 +224,8 @@ def export_version(ref: str, out: str | Path, registry: Any = None, merged: bool
     registry = registry or Registry(*registry_from_env())
     name, version = registry.resolve(ref)
     v = registry.fetch(name, version)
+    if v.config is None:  # `export_checkpoint` rebuilds the trained policy from the record's run config
+        raise ExportError(f"{name}/{version} ({ref}) was saved through the Tinker API and has no run config; "
+                          "export needs one")
     base = v.base_path if v.base_path != v.config.model.name else None
     return export_checkpoint(v.path, out, base, merged, tolerance, device, source=f"{name}/{version} ({ref})")

@@ -27,6 +27,8 @@ def infer_base(ref: str, registry: Registry) -> tuple[str, dict[str, Any], int, 
     names was trained on, so `serve --model` can be left out."""
     name, version = registry.resolve(ref)
     v = registry.fetch(name, version)
+    if v.config is None:  # a Tinker API checkpoint: its base as recorded, builder defaults
+        return v.base_path, {}, 0, v.base_path
     m = v.config.model
     if v.base_path != m.name:  # the experiment's SFT warm start
         return v.base_path, {}, 0, f"{name}-sft-base"

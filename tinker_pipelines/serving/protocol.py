@@ -24,6 +24,12 @@ CHAT = COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "p
 COMPLETIONS = COMMON | {"prompt", "echo", "best_of", "suffix", "return_tokens_as_token_ids"}
 MAX_N = 16
 """Most choices one request may ask for."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token: OpenAI's bound on chat `top_logprobs` (vLLM's `max_logprobs`
+default), applied to the legacy `logprobs: k` too (OpenAI's own legacy endpoint stops at 5)."""
+NO_MASS = -9999.0
+"""A logprob of -inf (a token outside a truncated distribution's support) as the endpoint reports
+it: JSON has no infinity; vLLM reports the same stand-in."""
 SAMPLER_FIELDS = {f.name for f in fields(SampleRequest)}
 """What the sampler takes; top_p / top_k / stop pass through when they appear here."""
 
@@ -40,6 +46,8 @@ class Params:
     seed: int | None
     extra: dict[str, Any]
     """Sampler fields beyond the basics (top_p, top_k, stop) with non-default values."""
+    logprobs: int | None = None
+    """Top logprobs per token the reply carries (0: each token's own only; None: no logprobs)."""
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
@@ -111,6 +119,52 @@ def check_params(body: dict, allowed: set[str], max_context: int | None) -> Para
             raise bad_request(f"{key} is not supported by this endpoint's sampler yet (leave it at its default)", key)
         extra[key] = v
     return Params(max_tokens, temperature, n, stream, bool((opts or {}).get("include_usage")), seed, extra)
+
+
+def logprobs_asked(body: dict, chat: bool) -> int | None:
+    """How many top logprobs per token a request asks for (0: only each token's own), or None for
+    no logprobs. Chat: `logprobs: true` with `top_logprobs: k`; completions: `logprobs: k`. 400
+    naming the field when it is malformed or k is out of [0, MAX_TOP_LOGPROBS]."""
+    if not chat:
+        return _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    want = body.get("logprobs")
+    if want is not None and not isinstance(want, bool):
+        raise bad_request(f"logprobs must be a boolean, got {want!r}", "logprobs", "invalid_type")
+    k = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if k is not None and not want:
+        raise bad_request("logprobs must be set to true if top_logprobs is used", "top_logprobs")
+    return (k or 0) if want else None
+
+
+def logprob_value(x: float) -> float:
+    return x if x != float("-inf") else NO_MASS
+
+
+def _byte_of_char() -> dict[str, int]:
+    """The inverse of byte-level BPE's byte -> printable character table (GPT-2's `bytes_to_unicode`)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + n)
+            n += 1
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+
+
+def token_bytes(tokenizer, ids: list[int]) -> list[list[int]]:
+    """Each token's UTF-8 bytes (OpenAI's `bytes`; a token may hold part of a character): read
+    from a byte-level BPE vocabulary, else the token's decoded text encoded."""
+    out = []
+    for t, piece in zip(ids, tokenizer.convert_ids_to_tokens(ids)):
+        if isinstance(piece, str) and piece and all(c in _BYTE_OF_CHAR for c in piece):
+            out.append([_BYTE_OF_CHAR[c] for c in piece])
+        else:  # not byte-level (e.g. sentencepiece): the decoded text is the best there is
+            out.append(list(tokenizer.decode([t]).encode("utf-8")))
+    return out
 
 
 def chat_messages(body: dict) -> list[dict[str, Any]]:

@@ -28,6 +28,14 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 """The value head's weights, beside the adapter or the model's."""
 
 
+def adapter_state(learner: ResidentLearner) -> dict[str, torch.Tensor]:
+    """The adapter's own tensors. Not PEFT's default for an adapter on lm_head or the embedding
+    (`save_embedding_layers`), which adds a copy of that frozen base layer: vocab x hidden of the
+    base in every checkpoint, and, loaded, written over the base all adapters share."""
+    return dict(get_peft_model_state_dict(learner.model, adapter_name=learner.adapter_name,
+                                          save_embedding_layers=False))
+
+
 def save_state(learner: ResidentLearner, path: str | Path, record: dict[str, Any] | None = None,
                extra_rng: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write a checkpoint atomically; returns its record (with the content hash)."""
@@ -35,7 +43,7 @@ def save_state(learner: ResidentLearner, path: str | Path, record: dict[str, Any
         if learner.cfg.mode == "lora":
             # Saved as the default adapter so `PeftModel.from_pretrained(base, path)` loads it.
             learner.activate()
-            state = get_peft_model_state_dict(learner.model, adapter_name=learner.adapter_name)
+            state = adapter_state(learner)
             save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"))
             learner.model.peft_config[learner.adapter_name].save_pretrained(str(tmp))
         else:
@@ -64,7 +72,7 @@ def verify(learner: ResidentLearner, path: str | Path, probe_tokens: list[int]) 
     loaded: dict[str, torch.Tensor] = {}
     if record["mode"] == "lora":
         loaded.update(load_file(str(path / "adapter_model.safetensors")))
-        resident = dict(get_peft_model_state_dict(learner.model, adapter_name=learner.adapter_name))
+        resident = adapter_state(learner)
     else:
         for f in sorted(path.glob("model*.safetensors")):
             loaded.update(load_file(str(f)))
@@ -118,8 +126,10 @@ def _load_tensors(learner: ResidentLearner, path: Path, optimizer: bool = True) 
     if learner.cfg.mode == "lora":
         from peft import set_peft_model_state_dict
 
-        set_peft_model_state_dict(learner.model, load_file(str(path / "adapter_model.safetensors"),
-                                                        device=str(learner.device)),
+        state = load_file(str(path / "adapter_model.safetensors"), device=str(learner.device))
+        # a copy of a frozen base layer (older checkpoints of adapters on lm_head hold one) would
+        # overwrite the base that every adapter on this model shares
+        set_peft_model_state_dict(learner.model, {k: v for k, v in state.items() if ".base_layer." not in k},
                                   adapter_name=learner.adapter_name)
     else:
         state, files = {}, sorted(path.glob("model*.safetensors"))

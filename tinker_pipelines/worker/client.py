@@ -262,11 +262,11 @@ class RemoteSampler:
 
 def sample_call(adapter: str, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                 generator: torch.Generator | None, *, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                stop: tuple[str, ...] | list[str] = ()) -> M.SampleCall:
+                stop: tuple[str, ...] | list[str] = (), top_logprobs: int = 0) -> M.SampleCall:
     """A `sample` request; a CPU generator travels as its state's bytes and comes back advanced."""
     state = generator.get_state().numpy().tobytes() if generator is not None else None
     return M.SampleCall(adapter, [list(p) for p in prompts], max_new_tokens, temperature, state, top_k, top_p,
-                        min_p, list(stop))
+                        min_p, list(stop), top_logprobs)
 
 
 def set_generator_state(generator: torch.Generator, state: bytes | None) -> None:

@@ -200,8 +200,8 @@ class Engine:
     # -- sampling ---------------------------------------------------------------------------
     def sample(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Requests: {adapter, prompts, max_new_tokens, temperature, generator_state} and optional
-        top_k, top_p, min_p, stop (`SampleRequest`'s); each reply has the samples (tokens,
-        logprobs, stop_reason, stop_string, support) and the advanced generator state (or an error
+        top_k, top_p, min_p, stop, top_logprobs (`SampleRequest`'s); each reply has the samples (tokens,
+        logprobs, stop_reason, stop_string, support, top_logprobs) and the advanced generator state (or an error
         of its own: one client's bad request never fails the others batched with it)."""
         replies: list[dict[str, Any] | None] = [None] * len(requests)
         ready: list[tuple[int, SampleRequest, torch.Generator]] = []
@@ -221,15 +221,16 @@ class Engine:
                 try:
                     with _active(self.model, req.adapter):
                         out = [self.sampler.sample(req.prompts, req.max_new_tokens, req.temperature, req.generator,
-                                                   top_k=req.top_k, top_p=req.top_p, min_p=req.min_p, stop=req.stop)]
+                                                   top_k=req.top_k, top_p=req.top_p, min_p=req.min_p, stop=req.stop,
+                                                   top_logprobs=req.top_logprobs)]
                 except Exception as e:  # noqa: BLE001 - this request's error alone
                     out = [e]
             for (i, req, gen), samples in zip(group, out):
                 if isinstance(samples, Exception):
                     replies[i] = _error(samples)
                     continue
-                replies[i] = {"samples": [(s.tokens, s.logprobs, s.stop_reason, s.stop_string, s.support)
-                                          for s in samples],
+                replies[i] = {"samples": [(s.tokens, s.logprobs, s.stop_reason, s.stop_string, s.support,
+                                           s.top_logprobs) for s in samples],
                               "generator_state": gen.get_state().numpy().tobytes()
                               if requests[i].get("generator_state") is not None else None}
         return replies  # type: ignore[return-value]
@@ -253,7 +254,8 @@ class Engine:
         stop = r.get("stop", ())
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         return SampleRequest(prompts, int(r["max_new_tokens"]), float(r["temperature"]), gen, r["adapter"],
-                             top_k=r.get("top_k", 0), top_p=r.get("top_p", 1.0), min_p=r.get("min_p", 0.0), stop=stop)
+                             top_k=r.get("top_k", 0), top_p=r.get("top_p", 1.0), min_p=r.get("min_p", 0.0), stop=stop,
+                             top_logprobs=r.get("top_logprobs", 0))
 
     # -- training ---------------------------------------------------------------------------
     def forward_backward(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:

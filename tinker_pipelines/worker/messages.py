@@ -192,6 +192,7 @@ class SampleCall(AdapterRequest, frozen=True, tag=Op.SAMPLE.value):
     top_p: float = 1.0
     min_p: float = 0.0
     stop: list[str] = []
+    top_logprobs: int = 0
 
 
 class ForwardBackward(AdapterRequest, frozen=True, tag=Op.FORWARD_BACKWARD.value):

@@ -386,7 +386,8 @@ def _engine_call(r: M.Request) -> dict[str, Any]:
 def _reply(op: Op, out: dict[str, Any]) -> M.Reply:
     """The reply struct of an `Engine` batched call's result."""
     if op == Op.SAMPLE:
-        return M.SampleReply([Sample(tuple(t), tuple(lp), r, s, tuple(n)) for t, lp, r, s, n in out["samples"]],
+        return M.SampleReply([Sample(tuple(t), tuple(lp), r, s, tuple(n), tuple(tuple(map(tuple, a)) for a in top))
+                              for t, lp, r, s, n, top in out["samples"]],
                              out["generator_state"])
     if op == Op.TINKER_FORWARD_BACKWARD:
         return M.TinkerForwardBackwardReply(out["logprobs"], out["metrics"])

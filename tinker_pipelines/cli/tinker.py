@@ -33,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--memory-gb", type=float, default=16.0,
                    help="GB of device memory the worker's lease reserves (base, adapters, activations)")
     s.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank a client may ask for")
+    s.add_argument("--dagster-url", default="",
+                   help="the Dagster webserver (e.g. http://127.0.0.1:3000) to report each saved checkpoint to as "
+                        "an asset materialization of ['tinker', MODEL]")
     s.add_argument("--no-tracking", action="store_true",
                    help="no MLflow runs or registered checkpoints (checkpoints are still written to --home)")
     s.set_defaults(func=cmd_tinker_serve)
@@ -71,7 +74,7 @@ def cmd_tinker_serve(args: argparse.Namespace) -> int:
     tracker = None
     try:
         if not args.no_tracking:
-            tracker = _tracker(Path(args.home))
+            tracker = _tracker(args)
         handle = start_service(args.model, args.port, Path(args.home), settings.api_key, args.host, args.device,
                                args.dtype, tracker=tracker, gap_timeout_s=args.gap_timeout_s, settings=settings,
                                lease=_lease(args), max_lora_rank=args.max_lora_rank)
@@ -106,8 +109,10 @@ def _lease(args: argparse.Namespace):
     return DeviceLease(ledger, inventory, args.memory_gb)
 
 
-def _tracker(home: Path):
-    """MLflow tracking and the registry for the service's checkpoints (see serving/tinker/lineage.py)."""
-    from tinker_pipelines.serving.tinker.lineage import TinkerTracker
+def _tracker(args: argparse.Namespace):
+    """MLflow runs and registered checkpoints (`serving.tinker.lineage`), in this deployment's
+    MLflow (TINKER_HOME, or TINKER_DEPLOYMENT=production); each checkpoint is reported to the
+    Dagster webserver at --dagster-url."""
+    from tinker_pipelines.serving.tinker.lineage import TinkerTracker, webserver_reporter
 
-    return TinkerTracker.from_env(home)
+    return TinkerTracker.from_env(webserver_reporter(args.dagster_url) if args.dagster_url else None)

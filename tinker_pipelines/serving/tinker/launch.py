@@ -120,8 +120,7 @@ def build_app(model: str, worker_address: Path, home: Path, settings: TinkerSett
     (home / "scratch").mkdir(parents=True, exist_ok=True)
     service = Service(runtime, model, home, tracker=tracker, gap_timeout_s=gap_timeout_s,
                       base_aliases=base_aliases(model), max_lora_rank=max_lora_rank)
-    server = build_server(model=model, worker=str(worker_address), use_registry=tracker is not None,
-                          registry=getattr(tracker, "registry", None))
+    server = build_server(model=model, worker=str(worker_address), use_registry=tracker is not None)
     return add_tinker_routes(build_openai_app(server), service, settings), service
 
 

@@ -86,6 +86,8 @@ class Model:
     last_request_time: str = field(default_factory=now_iso)
     last_checkpoint: dict[str, Any] | None = None
     last_sampler_checkpoint: dict[str, Any] | None = None
+    pending_metrics: dict[str, float] = field(default_factory=dict)
+    """The metrics of forward_backward calls since the last optimizer step (logged with it)."""
 
     def meta(self) -> dict[str, Any]:
         return {"model_id": self.model_id, "session_id": self.session_id, "base_model": self.base_model,
@@ -194,7 +196,7 @@ class Service:
             del self.samplers[sid]
         await asyncio.to_thread(m.trainer.close)
         if self.tracker is not None:
-            await asyncio.to_thread(self.tracker.end_model, m.model_id, status)
+            await asyncio.to_thread(self.tracker.end_model, m.model_id, _RUN_STATUS.get(status, "killed"))
 
     # -- models -----------------------------------------------------------------------------
     def _lora(self, cfg: types.LoraConfig | None) -> LoraShape:
@@ -282,8 +284,8 @@ class Service:
             datums = [_datum(d, i, vocab, self.runtime.max_context) for i, d in enumerate(call.data)]
             logprobs, metrics = await asyncio.to_thread(self.runtime.forward_backward, m.trainer, datums,
                                                         call.loss.name, dict(call.loss.config), call.forward_only)
-            if not call.forward_only and self.tracker is not None:
-                await asyncio.to_thread(self.tracker.log_step, m.model_id, m.steps, metrics)
+            if not call.forward_only:
+                m.pending_metrics.update(metrics)
             return Proto(wire.encode_forward_backward(logprobs, metrics))
         return self._ordered(call.model_id, call.seq_id, work)
 
@@ -302,9 +304,10 @@ class Service:
         async def work(m: Model) -> Result:
             metrics = await asyncio.to_thread(self.runtime.optim_step, m.trainer, adam)
             m.steps += 1
-            if self.tracker is not None:
-                await asyncio.to_thread(self.tracker.log_step, m.model_id, m.steps, {f"optim/{k}": v for k, v in
-                                                                                     metrics.items()})
+            if self.tracker is not None:  # one MLflow step per optimizer step: its gradient's metrics and its own
+                logged = {**m.pending_metrics, **{f"optim/{k}": v for k, v in metrics.items()}}
+                await asyncio.to_thread(self.tracker.log_step, m.model_id, m.steps, logged)
+            m.pending_metrics.clear()
             return types.OptimStepResponse(metrics={f"optim/{k}:mean" if ":" not in k else k: float(v)
                                                     for k, v in metrics.items()}).model_dump(mode="json")
         return self._ordered(req.model_id, req.seq_id, work, check)
@@ -361,13 +364,14 @@ class Service:
             await asyncio.to_thread(self.runtime.save, m.trainer, d, record)
             entry = {"checkpoint_id": f"{kind}/{name}", "checkpoint_type": "training" if kind == "weights" else
                      "sampler", "time": now_iso(), "tinker_path": path, "size_bytes": _size(d), "public": False}
+            if self.tracker is not None:  # the OpenAI endpoint serves it as this MODEL/VERSION
+                v = await asyncio.to_thread(self.tracker.checkpoint_saved, model_id, kind, name, d, m.steps)
+                entry["user_metadata"] = {"registered_version": v.key}
             if kind == "weights":
                 m.last_checkpoint = entry
             else:
                 m.last_sampler_checkpoint = entry
             self._save_meta(m)
-            if self.tracker is not None:
-                await asyncio.to_thread(self.tracker.checkpoint_saved, model_id, kind, name, d, m.steps)
             return response(path).model_dump(mode="json")
         return self._ordered(model_id, seq_id, work, lambda: check_name(name))
 
@@ -475,6 +479,10 @@ class Service:
         if "/" in model_id or not path.exists():
             raise NotFound(f"training run {model_id!r} is unknown to this service", "training_run_id")
         return json.loads(path.read_text())
+
+
+_RUN_STATUS = {"success": "finished", "errored": "failed", "interrupted": "killed", "expired": "killed"}
+"""A session's finish reason as its runs' MLflow status."""
 
 
 def _checkpoint(entry: dict[str, Any] | None) -> types.Checkpoint | None:

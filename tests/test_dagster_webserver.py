@@ -55,6 +55,7 @@ def test_webserver_serves_the_asset_graph(tmp_path):
         assert [s["name"] for s in repo["schedules"]] == ["periodic_evaluation"]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=10) as r:
             assert r.status == 200
+        _a_tinker_checkpoint_reported_through_the_webserver_is_on_the_instance(port, tmp_path / "dagster")
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -62,3 +63,23 @@ def test_webserver_serves_the_asset_graph(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+def _a_tinker_checkpoint_reported_through_the_webserver_is_on_the_instance(port: int, dagster_home: Path) -> None:
+    """What `tinker serve --dagster-url` does for each registered checkpoint (the library
+    reports over HTTP: it does not import dagster)."""
+    import dagster as dg
+    import pytest
+
+    from tinker_pipelines.serving.tinker.lineage import LineageReport, webserver_reporter
+
+    report = webserver_reporter(f"http://127.0.0.1:{port}")
+    report(LineageReport(("tinker", "tinkerapi-s1-train-0"), {"tinker_path": "tinker://s1:train:0/weights/w", "step": 3},
+                         "Tinker API checkpoint tinker://s1:train:0/weights/w"))
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        event = instance.get_latest_materialization_event(dg.AssetKey(["tinker", "tinkerapi-s1-train-0"]))
+    assert event is not None
+    md = event.asset_materialization.metadata
+    assert md["tinker_path"].value == "tinker://s1:train:0/weights/w" and md["step"].value == 3
+    with pytest.raises(RuntimeError, match="refused the report"):
+        webserver_reporter(f"http://127.0.0.1:{port}/no-such-prefix")(LineageReport(("tinker", "x"), {}, ""))

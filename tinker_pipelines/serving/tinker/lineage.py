@@ -254,3 +254,28 @@ class TinkerTracker:
         except Exception as e:  # noqa: BLE001 - the checkpoint is saved and registered; only the report is lost
             self.report_errors += 1
             log.warning("lineage report of %s (%s) failed: %s: %s", v.key, v.tinker_path, type(e).__name__, e)
+
+
+def webserver_reporter(url: str, timeout_s: float = 10.0) -> Callable[[LineageReport], None]:
+    """A `TinkerTracker` report that records each checkpoint through the Dagster webserver at
+    `url` (its external-assets API, `POST /report_asset_materialization/{asset_key}`): what a
+    service started from the command line uses, since the library does not import dagster. A
+    refusal raises with the webserver's answer (the tracker counts and logs it)."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    base = url.rstrip("/")
+
+    def report(r: LineageReport) -> None:
+        key = "/".join(urllib.parse.quote(part, safe="") for part in r.asset_key)
+        body = json.dumps({"metadata": r.metadata, "description": r.description}).encode()
+        request = urllib.request.Request(f"{base}/report_asset_materialization/{key}", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+                resp.read()
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"the Dagster webserver at {base} refused the report ({e.code}: "
+                               f"{e.read()[:200].decode(errors='replace')})") from None
+    return report

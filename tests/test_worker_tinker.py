@@ -176,3 +176,40 @@ def test_bf16_worker_tinker_steps_equal_the_in_process_bf16_learner(address_bf16
     assert got == [steps(local(51, "bfloat16"), *work[0][1:]), steps(local(52, "bfloat16"), *work[1][1:])]
     assert all(torch.isfinite(torch.tensor(x)).all() for run in got for lp, _, _ in run for x in lp)
     assert got[0][1][1]["loss:sum"] < got[0][0][1]["loss:sum"]
+
+
+def test_lora_config_on_a_worker_unembed_decodes_apart_and_a_rank_too_large_is_named(address):
+    from tinker_pipelines.training.rules import tinker_lora_settings
+    from tinker_pipelines.worker.client import sample_call
+
+    c = WorkerClient(address)
+    fields, seed = tinker_lora_settings({"rank": 4, "seed": 61})
+    c.create("unembed", {**fields, "micro_batch_size": 2}, seed)
+    fields, seed = tinker_lora_settings({"rank": 4, "seed": 62, "train_unembed": False})
+    c.create("body", {**fields, "micro_batch_size": 2}, seed)
+    for name in ("unembed", "body"):  # train both a little, so each adapter changes the function
+        c.tinker_forward_backward(name, ce(), "cross_entropy", {}, False)
+        c.optim_step(name, ADAM)
+    other = WorkerClient(address)  # a second client, so the two sample calls meet in one cycle
+    other.create("body2", {**fields, "micro_batch_size": 2}, 63)
+    clients = [c, other]
+    calls = [sample_call(n, [[5, 9, 12]], 5, 1.0, torch.Generator().manual_seed(k))
+             for k, n in enumerate(("unembed", "body2"))]
+    before = c.stats()["unembed_alone"]
+    together: list = [None, None]
+
+    def run(k):
+        together[k] = clients[k].sample(calls[k]).samples
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert c.stats()["unembed_alone"] == before + 1  # the cycle's batch decoded the unembed adapter apart
+    assert together[0] == c.sample(calls[0]).samples and together[1] == other.sample(calls[1]).samples
+    with pytest.raises(WorkerError, match=r"lora_rank 128 \(a Tinker client's lora_config.rank\); this worker hosts "
+                                          r"ranks up to 64"):
+        c.create("huge", {**tinker_lora_settings({"rank": 128})[0]}, 1)
+    c.close()
+    other.close()

@@ -137,8 +137,9 @@ class Engine:
         if self.cfg.exclusive and self.hosted:
             raise RequestError(f"this worker is exclusive and already hosts {next(iter(self.hosted))!r}")
         if lcfg.mode == "lora" and lcfg.lora_rank > self.cfg.max_lora_rank:
-            raise RequestError(f"adapter {name!r} has training.lora_rank {lcfg.lora_rank}; this worker hosts ranks "
-                               f"up to {self.cfg.max_lora_rank} (--max-lora-rank)")
+            raise RequestError(f"adapter {name!r} has training.lora_rank {lcfg.lora_rank} (a Tinker client's "
+                               f"lora_config.rank); this worker hosts ranks up to {self.cfg.max_lora_rank} "
+                               "(--max-lora-rank)")
         if algorithm:
             get_algorithm(algorithm)
         base = self.model if lcfg.mode == "lora" else self.base_model

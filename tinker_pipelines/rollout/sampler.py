@@ -118,11 +118,14 @@ class Sampler:
 
     def sample(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
                generator: torch.Generator | None = None, *, top_k: int = 0, top_p: float = 1.0,
-               min_p: float = 0.0, stop: tuple[str, ...] | list[str] = ()) -> list[Sample]:
+               min_p: float = 0.0, stop: tuple[str, ...] | list[str] = (),
+               stop_token_ids: tuple[int, ...] | list[int] = ()) -> list[Sample]:
         """Complete every prompt; rows are independent of each other's lengths. `top_k`, `top_p`,
-        `min_p` and `stop` are `SampleRequest`'s (the defaults: no truncation, no stop strings)."""
+        `min_p`, `stop` and `stop_token_ids` are `SampleRequest`'s (the defaults: no truncation,
+        no stop strings, the sampler's own stop tokens only)."""
         return self.sample_requests([SampleRequest(prompts, max_new_tokens, temperature, generator, top_k=top_k,
-                                                   top_p=top_p, min_p=min_p, stop=tuple(stop))])[0]
+                                                   top_p=top_p, min_p=min_p, stop=tuple(stop),
+                                                   stop_token_ids=tuple(stop_token_ids))])[0]
 
     def supports_mixed_adapters(self) -> bool:
         """Whether rows of different LoRA adapters can decode in one batch (lean Llama path,
@@ -231,11 +234,15 @@ class Sampler:
             raise ValueError(f"stop must be non-empty strings, got {r.stop!r}")
         if r.stop and self.tokenizer is None:
             raise ValueError("stop strings need the sampler's tokenizer (Sampler(..., tokenizer=...))")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        bad = next((t for t in r.stop_token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab),
+                   None)
+        if bad is not None:
+            raise ValueError(f"stop token id {bad!r} is outside the model's vocabulary [0, {vocab})")
         if r.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {r.max_new_tokens}")
         if any(len(p) == 0 for p in r.prompts):
             raise ValueError("empty prompt")
-        vocab = self.model.get_input_embeddings().num_embeddings
         for p in r.prompts:
             lo, hi = min(p), max(p)
             if lo < 0 or hi >= vocab:
@@ -441,10 +448,16 @@ class _DecodeRows:
         self.end_B = self.maxnew_B.clone()  # tokens kept per row
         self.req_live = [len(r.prompts) for r in requests]
         self.n_live = B  # live rows at the last check
-        self.has_stop_ids = bool(stop_ids)
+        self.has_stop_ids = bool(stop_ids) or any(r.stop_token_ids for r in requests)
         self.is_stop_V = torch.zeros(vocab + 1, dtype=torch.bool, device=device)
         self.is_stop_V[[i for i in stop_ids if 0 <= i < vocab]] = True
         self.stop_set = set(stop_ids)
+        self.stop_sets = [self.stop_set | set(r.stop_token_ids) for r in requests]  # per request
+        self.is_stop_RV: torch.Tensor | None = None  # per request, when some request adds its own
+        if any(r.stop_token_ids for r in requests):
+            self.is_stop_RV = self.is_stop_V.repeat(len(requests), 1)
+            for i, r in enumerate(requests):
+                self.is_stop_RV[i, [t for t in r.stop_token_ids if 0 <= t < vocab]] = True
         self.results: list[Sample | None] = [None] * B
         self.row_idx = torch.arange(B, device=device)  # each batch row's column in the uniforms
         self.ends_by_length = bool(self.maxnew_B.ne(M).any())
@@ -463,7 +476,10 @@ class _DecodeRows:
         if self.sup_BT is not None:
             self.sup_BT[:, t] = sup_B
         live_B = self.live_B
-        done_B = self.is_stop_V[tok_B] & live_B if self.has_stop_ids else torch.zeros_like(live_B)
+        if self.is_stop_RV is not None:
+            done_B = self.is_stop_RV[self.req_B, tok_B] & live_B
+        else:
+            done_B = self.is_stop_V[tok_B] & live_B if self.has_stop_ids else torch.zeros_like(live_B)
         if self.ends_by_length:
             done_B |= self.maxnew_B.eq(t + 1) & live_B
         self.end_B = torch.where(done_B, torch.minimum(self.end_B, torch.full_like(self.end_B, t + 1)), self.end_B)
@@ -512,7 +528,7 @@ class _DecodeRows:
         windows, owners = [], []
         for j, i in enumerate(idx):
             for s in range(t_from, min(t_to, ends[j] - 1) + 1):
-                if s == ends[j] - 1 and toks[j][s - lo] in self.stop_set:
+                if s == ends[j] - 1 and toks[j][s - lo] in self.stop_sets[req_of[rows[i]]]:
                     continue
                 windows.append(toks[j][max(0, s + 1 - window) - lo:s + 1 - lo])
                 owners.append((i, s))
@@ -540,7 +556,8 @@ class _DecodeRows:
             support = tuple(sups[j][:n]) if sups is not None and any(sups[j][:n]) else ()
             self.results[self.rows[i]] = Sample(
                 tuple(toks[j][:n]), tuple(lps[j][:n]),
-                "stop" if hit is not None or toks[j][n - 1] in self.stop_set else "length", hit, support)
+                "stop" if hit is not None or toks[j][n - 1] in self.stop_sets[self.req_of[self.rows[i]]] else "length",
+                hit, support)
 
     def by_request(self) -> list[list[Sample]]:
         results, offsets = self.results, self.offsets

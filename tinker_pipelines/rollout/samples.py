@@ -54,6 +54,9 @@ class SampleRequest:
     stop: tuple[str, ...] = ()
     """Stop strings: a row ends at the token with which its decoded text (special tokens
     skipped) first contains one of them; needs the sampler's tokenizer."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end this request's rows, besides the sampler's own stop tokens (Tinker's
+    `stop` given as token ids)."""
 
 
 BASE = "__base__"

@@ -165,6 +165,7 @@ class Create(Request, frozen=True, tag=Op.CREATE.value):
     base_name: str = ""
     algorithm: str = ""
     claim: str | None = None
+    read_only: bool = False  # sampling and scoring only (a checkpoint loaded for a sampler): no training ops
 
 
 class Park(AdapterRequest, frozen=True, tag=Op.PARK.value):
@@ -184,6 +185,8 @@ class Shutdown(Request, frozen=True, tag=Op.SHUTDOWN.value):
 
 
 class SampleCall(AdapterRequest, frozen=True, tag=Op.SAMPLE.value):
+    """Sample with `adapter` ('' : the base model without any adapter, which anyone may do)."""
+
     prompts: list[list[int]]
     max_new_tokens: int
     temperature: float = 1.0
@@ -192,6 +195,10 @@ class SampleCall(AdapterRequest, frozen=True, tag=Op.SAMPLE.value):
     top_p: float = 1.0
     min_p: float = 0.0
     stop: list[str] = []
+    seed: int | None = None  # Tinker's: a fresh generator from it (not with generator_state)
+    stop_token_ids: list[int] = []  # ends rows besides the worker's own stop tokens
+    num_samples: int = 1  # samples of each prompt, prompt by prompt in the reply
+    prompt_logprobs: bool = False  # reply with each prompt token's logprob given its prefix
 
 
 class ForwardBackward(AdapterRequest, frozen=True, tag=Op.FORWARD_BACKWARD.value):
@@ -293,6 +300,7 @@ class ShutdownReply(Reply, frozen=True, tag=Op.SHUTDOWN.value):
 class SampleReply(Reply, frozen=True, tag=Op.SAMPLE.value):
     samples: list[Sample]
     generator_state: bytes | None = None  # the request's generator, advanced; None when it brought none
+    prompt_logprobs: list[list[float]] | None = None  # per prompt, NaN first (no prefix); None: not asked
 
 
 class ForwardBackwardReply(Reply, frozen=True, tag=Op.FORWARD_BACKWARD.value):

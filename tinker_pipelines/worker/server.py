@@ -275,6 +275,8 @@ class WorkerServer:
             print(f"worker: dropped parked adapters nobody claimed in {e.cfg.park_ttl_s:g} s: {', '.join(expired)}",
                   file=self.log, flush=True)
         for item in batch:
+            if isinstance(item.request, M.SampleCall) and not item.request.adapter:
+                continue  # the bare base: anyone may sample it
             if isinstance(item.request, M.AdapterRequest):
                 try:
                     self._check_owner(item.client, item.request.adapter)
@@ -325,13 +327,13 @@ class WorkerServer:
 
         return {
             Op.CREATE: lambda c, r: M.CreateReply(**e.create(c, r.name, r.learner, r.seed, r.base_name,
-                                                              r.algorithm, r.claim)),
+                                                              r.algorithm, r.claim, r.read_only)),
             Op.PARK: park,
             Op.DROP: drop,
             Op.STATS: lambda c, r: M.StatsReply(e.stats()),
             Op.SHUTDOWN: shutdown,
-            Op.OPTIM_STEP: lambda c, r: M.OptimStepReply(learner(r).optim_step() if r.adam is None
-                                                          else learner(r).optim_step(r.adam)),
+            Op.OPTIM_STEP: lambda c, r: M.OptimStepReply(e.trainable(r.adapter).optim_step() if r.adam is None
+                                                          else e.trainable(r.adapter).optim_step(r.adam)),
             Op.COMPUTE_LOGPROBS: lambda c, r: M.ComputeLogprobsReply(learner(r).compute_logprobs(M.datums_of(r.datums))),
             Op.COMPUTE_REFERENCE_LOGPROBS: lambda c, r: M.ComputeReferenceLogprobsReply(
                 learner(r).compute_reference_logprobs(M.datums_of(r.datums))),
@@ -387,7 +389,7 @@ def _reply(op: Op, out: dict[str, Any]) -> M.Reply:
     """The reply struct of an `Engine` batched call's result."""
     if op == Op.SAMPLE:
         return M.SampleReply([Sample(tuple(t), tuple(lp), r, s, tuple(n)) for t, lp, r, s, n in out["samples"]],
-                             out["generator_state"])
+                             out["generator_state"], out.get("prompt_logprobs"))
     if op == Op.TINKER_FORWARD_BACKWARD:
         return M.TinkerForwardBackwardReply(out["logprobs"], out["metrics"])
     return M.ForwardBackwardReply(out["metrics"])

@@ -82,26 +82,13 @@ class WorkerClient:
 
     # -- one method per op ------------------------------------------------------------------
     def create(self, name: str, learner: dict[str, Any], seed: int, base_name: str = "", algorithm: str = "",
-               claim: str | None = None, read_only: bool = False) -> M.CreateReply:
-        return self.send(M.Create(name, learner, seed, base_name, algorithm, claim, read_only))  # type: ignore[return-value]
+               claim: str | None = None) -> M.CreateReply:
+        return self.send(M.Create(name, learner, seed, base_name, algorithm, claim))  # type: ignore[return-value]
 
     def create_sampler(self, name: str, path: str | Path, base_name: str = "") -> dict[str, Any]:
-        """Host the weights of checkpoint `path` (a directory this machine and the worker share)
-        as read-only adapter `name`, shaped as its record says (rank, targets), for sampling and
-        scoring; returns the checkpoint's record. `base_name`: the base the checkpoint must have
-        been trained on ('': whatever its record names)."""
-        import json
-
-        record_file = Path(path) / "record.json"
-        if not record_file.is_file():
-            raise WorkerError(f"{path} is not a checkpoint: no record.json")
-        record = json.loads(record_file.read_text())
-        learner = record.get("learner")
-        if not isinstance(learner, dict) or learner.get("mode") != "lora":
-            raise WorkerError(f"checkpoint {path} is not a LoRA adapter's (its record has no LoRA learner config)")
-        # the worker refuses a checkpoint whose recorded base is not `base_name` (the record's by default)
-        self.create(name, learner, 0, base_name or record.get("base_model", ""), read_only=True)
-        return self.load_state(name, str(Path(path).resolve()), optimizer=False)
+        """Host the weights of LoRA checkpoint `path` as read-only adapter `name` (sampling and
+        scoring only), shaped as its record says; returns the checkpoint's record."""
+        return self.send(M.CreateSampler(name, str(Path(path).resolve()), base_name)).record  # type: ignore[attr-defined]
 
     def park(self, adapter: str, tag: str) -> None:
         self.send(M.Park(adapter, tag))

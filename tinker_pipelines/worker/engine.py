@@ -118,7 +118,7 @@ class Engine:
 
     # -- adapters ---------------------------------------------------------------------------
     def create(self, owner: int, name: str, learner: dict[str, Any], seed: int, base_name: str,
-               algorithm: str = "", claim: str | None = None, read_only: bool = False) -> dict[str, Any]:
+               algorithm: str = "", claim: str | None = None) -> dict[str, Any]:
         """Host a new adapter `name` for client `owner`; with `claim`, first take over the parked
         adapter of that name instead when it was parked with this state tag and the same spec
         (`claimed: true` and its `record` in the reply). A parked adapter that does not match is
@@ -163,8 +163,25 @@ class Engine:
             # weights: a decoder cached over the bare base would not see any adapter
             self.sampler.invalidate()
         gen = torch.Generator().manual_seed(seed)
-        self.hosted[name] = Hosted(lr, gen, owner, algorithm, spec, read_only=read_only)
+        self.hosted[name] = Hosted(lr, gen, owner, algorithm, spec)
         return {"steps": lr.steps, "claimed": False}
+
+    def create_sampler(self, owner: int, name: str, path: str, base_name: str = "") -> dict[str, Any]:
+        """Host LoRA checkpoint `path`'s weights as read-only adapter `name` for client `owner`
+        (sampling and scoring: training ops are refused), shaped as its record says (rank,
+        targets); `base_name` ('': the record's) is the base it must have been trained on."""
+        record = _peek_record(Path(path))
+        learner = record.get("learner")
+        if not isinstance(learner, dict) or record.get("mode") != "lora":
+            raise RequestError(f"checkpoint {path} is not a LoRA adapter's (mode {record.get('mode')!r})")
+        self.create(owner, name, learner, 0, base_name or record.get("base_model") or "")
+        try:
+            record = self.load_state(name, path, optimizer=False)
+        except Exception:
+            self.drop(name)
+            raise
+        self.hosted[name].read_only = True
+        return record
 
     def park(self, name: str, tag: str) -> None:
         """Keep adapter `name` after its holder goes away, for a client that claims it with `tag`

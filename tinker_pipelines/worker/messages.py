@@ -37,6 +37,7 @@ class Op(str, enum.Enum):
 
     HELLO = "hello"
     CREATE = "create"
+    CREATE_SAMPLER = "create_sampler"
     PARK = "park"
     DROP = "drop"
     STATS = "stats"
@@ -165,7 +166,14 @@ class Create(Request, frozen=True, tag=Op.CREATE.value):
     base_name: str = ""
     algorithm: str = ""
     claim: str | None = None
-    read_only: bool = False  # sampling and scoring only (a checkpoint loaded for a sampler): no training ops
+
+
+class CreateSampler(Request, frozen=True, tag=Op.CREATE_SAMPLER.value):
+    """Host a saved LoRA checkpoint's weights as a read-only adapter (sampling and scoring only)."""
+
+    name: str
+    path: str  # the checkpoint directory, as the worker sees it
+    base_name: str = ""  # the base it must have been trained on ('': whatever its record names)
 
 
 class Park(AdapterRequest, frozen=True, tag=Op.PARK.value):
@@ -279,6 +287,10 @@ class CreateReply(Reply, frozen=True, tag=Op.CREATE.value):
     steps: int
     claimed: bool
     record: dict[str, Any] | None = None
+
+
+class CreateSamplerReply(Reply, frozen=True, tag=Op.CREATE_SAMPLER.value):
+    record: dict[str, Any]  # the checkpoint's
 
 
 class ParkReply(Reply, frozen=True, tag=Op.PARK.value):

@@ -327,7 +327,8 @@ class WorkerServer:
 
         return {
             Op.CREATE: lambda c, r: M.CreateReply(**e.create(c, r.name, r.learner, r.seed, r.base_name,
-                                                              r.algorithm, r.claim, r.read_only)),
+                                                              r.algorithm, r.claim)),
+            Op.CREATE_SAMPLER: lambda c, r: M.CreateSamplerReply(e.create_sampler(c, r.name, r.path, r.base_name)),
             Op.PARK: park,
             Op.DROP: drop,
             Op.STATS: lambda c, r: M.StatsReply(e.stats()),

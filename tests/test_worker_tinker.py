@@ -1,6 +1,7 @@
 """Tinker's primitives over a real worker process: forward_backward with per-datum logprobs,
 forward-only, AdamParams, weights-only loads, shared passes, and errors that name their field."""
 
+import math
 import os
 import signal
 import threading
@@ -176,3 +177,126 @@ def test_bf16_worker_tinker_steps_equal_the_in_process_bf16_learner(address_bf16
     assert got == [steps(local(51, "bfloat16"), *work[0][1:]), steps(local(52, "bfloat16"), *work[1][1:])]
     assert all(torch.isfinite(torch.tensor(x)).all() for run in got for lp, _, _ in run for x in lp)
     assert got[0][1][1]["loss:sum"] < got[0][0][1]["loss:sum"]
+
+
+def test_lora_config_on_a_worker_unembed_decodes_apart_and_a_rank_too_large_is_named(address):
+    from tinker_pipelines.training.rules import tinker_lora_settings
+    from tinker_pipelines.worker.client import sample_call
+
+    c = WorkerClient(address)
+    fields, seed = tinker_lora_settings({"rank": 4, "seed": 61})
+    c.create("unembed", {**fields, "micro_batch_size": 2}, seed)
+    fields, seed = tinker_lora_settings({"rank": 4, "seed": 62, "train_unembed": False})
+    c.create("body", {**fields, "micro_batch_size": 2}, seed)
+    for name in ("unembed", "body"):  # train both a little, so each adapter changes the function
+        c.tinker_forward_backward(name, ce(), "cross_entropy", {}, False)
+        c.optim_step(name, ADAM)
+    other = WorkerClient(address)  # a second client, so the two sample calls meet in one cycle
+    other.create("body2", {**fields, "micro_batch_size": 2}, 63)
+    clients = [c, other]
+    calls = [sample_call(n, [[5, 9, 12]], 5, 1.0, torch.Generator().manual_seed(k))
+             for k, n in enumerate(("unembed", "body2"))]
+    before = c.stats()["unembed_alone"]
+    together: list = [None, None]
+
+    def run(k):
+        together[k] = clients[k].sample(calls[k]).samples
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert c.stats()["unembed_alone"] == before + 1  # the cycle's batch decoded the unembed adapter apart
+    assert together[0] == c.sample(calls[0]).samples and together[1] == other.sample(calls[1]).samples
+    with pytest.raises(WorkerError, match=r"lora_rank 128 \(a Tinker client's lora_config.rank\); this worker hosts "
+                                          r"ranks up to 64"):
+        c.create("huge", {**tinker_lora_settings({"rank": 128})[0]}, 1)
+    c.close()
+    other.close()
+
+
+def _sample(c, adapter, prompts, **kw):
+    from tinker_pipelines.worker import messages as M
+
+    args = {"max_new_tokens": 6, "temperature": 1.0, **kw}
+    return c.sample(M.SampleCall(adapter, prompts, **args))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tinker_sampling_seed_num_samples_stop_ids_top_k_off(dtype, address, address_bf16):
+    addr = address if dtype == "float32" else address_bf16
+    c, other = WorkerClient(addr), WorkerClient(addr)
+    c.create(f"s{dtype}", asdict(CFG), 71)
+    other.create(f"o{dtype}", asdict(CFG), 72)
+    name, prompt = f"s{dtype}", [[5, 9, 12, 7]]
+    alone = _sample(c, name, prompt, seed=7, num_samples=3)
+    assert len(alone.samples) == 3 and alone.generator_state is None and alone.prompt_logprobs is None
+    assert len({s.tokens for s in alone.samples}) > 1  # three draws, not one repeated
+    got: list = [None, None]
+
+    def run(k):  # the same request again, in one cycle with another client's
+        got[k] = (_sample(c, name, prompt, seed=7, num_samples=3) if k == 0 else
+                  _sample(other, f"o{dtype}", [[6, 10, 11], [8, 8]], seed=3, max_new_tokens=9))
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got[0].samples == alone.samples  # same seed, same tokens, whoever shares the batch
+    assert _sample(c, name, prompt, seed=8, num_samples=3).samples != alone.samples
+    assert _sample(c, name, prompt, seed=7, num_samples=3, top_k=-1).samples == alone.samples  # -1: off
+    greedy = _sample(c, name, prompt, temperature=0.0, max_new_tokens=8).samples[0]
+    stop_at = greedy.tokens[2]
+    first = greedy.tokens.index(stop_at)
+    stopped = _sample(c, name, prompt, temperature=0.0, max_new_tokens=8, stop_token_ids=[stop_at]).samples[0]
+    assert stopped.tokens == greedy.tokens[:first + 1] and stopped.stop_reason == "stop"
+    with pytest.raises(WorkerError, match=r"stop token id 100000 is outside the model's vocabulary"):
+        _sample(c, name, prompt, stop_token_ids=[100000])
+    with pytest.raises(WorkerError, match="num_samples must be an integer >= 1"):
+        _sample(c, name, prompt, num_samples=0)
+    c.close()
+    other.close()
+
+
+def test_prompt_logprobs_base_sampling_and_a_read_only_checkpoint_sampler(address, tmp_path):
+    from tinker_pipelines.rollout.sampler import ContextOverflowError
+    from tinker_pipelines.rollout.truncation import target_logprobs
+
+    c = WorkerClient(address)
+    c.create("pl", asdict(CFG), 81)
+    for _ in range(2):
+        c.tinker_forward_backward("pl", ce(), "cross_entropy", {}, False)
+        c.optim_step("pl", ADAM)
+    prompts = [[5, 9, 12, 7, 30], [6]]
+    out = _sample(c, "pl", prompts, seed=1, prompt_logprobs=True)
+    lp = out.prompt_logprobs
+    assert len(lp) == 2 and all(math.isnan(x[0]) for x in lp) and len(lp[0]) == 5 and len(lp[1]) == 1
+    d = datum_from_tinker(prompts[0][:-1], {"target_tokens": prompts[0][1:], "weights": [1.0] * 4})
+    assert lp[0][1:] == c.compute_logprobs("pl", [d])[0]  # the adapter's, exactly
+    # the base without any adapter: anyone may sample it, its prompt logprobs are the bare model's
+    base = _sample(c, "", prompts, seed=1, prompt_logprobs=True)
+    model, _ = load_model("tiny", seed=0)
+    with torch.no_grad():
+        ids = torch.tensor([prompts[0]])
+        want = target_logprobs(model(input_ids=ids[:, :-1]).logits, ids[:, 1:], 1.0)[0].tolist()
+    assert base.prompt_logprobs[0][1:] == pytest.approx(want, abs=1e-5) and base.prompt_logprobs[0][1:] != lp[0][1:]
+    assert len(base.samples) == 2 and base.samples != out.samples
+    # a saved checkpoint as a read-only adapter samples as the adapter it was saved from
+    c.save_state("pl", str(tmp_path / "pl"))
+    record = c.create_sampler("ro", tmp_path / "pl")
+    assert record["learner"]["lora_rank"] == CFG.lora_rank
+    assert _sample(c, "ro", prompts, seed=1, prompt_logprobs=True).samples == out.samples
+    with pytest.raises(WorkerError, match="adapter 'ro' is read-only"):
+        c.tinker_forward_backward("ro", ce(), "cross_entropy", {}, False)
+    with pytest.raises(WorkerError, match="adapter 'ro' is read-only"):
+        c.optim_step("ro", ADAM)
+    assert c.tinker_forward_backward("ro", ce(), "cross_entropy", {}, True)[0] == \
+        c.tinker_forward_backward("pl", ce(), "cross_entropy", {}, True)[0]  # forward-only is fine
+    with pytest.raises(ContextOverflowError, match="exceeds the model context"):
+        _sample(c, "ro", [[5] * 5000])
+    with pytest.raises(WorkerError, match=r"token id 100000 in a prompt is outside the model's vocabulary"):
+        _sample(c, "", [[5, 100000]])
+    assert len(_sample(c, "ro", prompts, seed=2).samples) == 2  # still serving
+    c.close()

@@ -203,8 +203,12 @@ class LeanLlamaDecoder:
     def _fuse_weights(self) -> list[tuple] | None:
         fused = []
         base_only = self.base_only or bool(self.unmerged)  # the adapters are added per row (`RowAdapters`)
-        if base_only and (type(self.embed) is not torch.nn.Embedding or hasattr(self.lm_head, "lora_A")):
-            return None  # an adapter on the embedding or the output layer cannot run per row here
+        # An adapter on the embedding or the output layer cannot run per row here. A base-only
+        # decoder takes the output layer's base weight: its adapters with LoRA there decode
+        # apart (`Sampler._unembed_alone`), the others still share it.
+        head_lora = getattr(self.lm_head, "lora_A", {})
+        if base_only and (type(self.embed) is not torch.nn.Embedding or (self.unmerged and self.unmerged in head_lora)):
+            return None
         self.groups = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -233,7 +237,7 @@ class LeanLlamaDecoder:
         """Run the prompts with the model's own forward, copy its cache into static buffers and
         return the last position's logits `[B, V]`."""
         B, L = input_BL.shape
-        if self.unmerged:
+        if self.unmerged and self.adapters is not None:  # None: the modules' own step (`fused` is None)
             self.adapters.set_rows([0] * B)
         cache = DynamicCache()
         out = self.causal(input_ids=input_BL, attention_mask=mask_BL, position_ids=positions_BL,
@@ -321,8 +325,11 @@ class LeanLlamaDecoder:
 
     def set_adapters(self, names: list[str | None], row_adapter: list[int]) -> bool:
         """Rows decode with adapter `names[row_adapter[i]]` (None: the bare base); base-only
-        decoders only. False, and nothing set, when an adapter is not a vanilla LoRA."""
+        decoders only. False, and nothing set, when an adapter is not a vanilla LoRA or has LoRA
+        on the output layer."""
         assert self.base_only and self.fused is not None
+        if any(n is not None and n in getattr(self.lm_head, "lora_A", {}) for n in names):
+            return False  # its output-layer delta is not added per row (`_fuse_weights`)
         self.adapters = RowAdapters.build(self.groups, names, row_adapter, self.invariant)
         return self.adapters is not None
 

@@ -43,7 +43,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tinker_pipelines.rollout.draw import sample_tokens
 from tinker_pipelines.rollout.hf_decoder import _HFDecoder
-from tinker_pipelines.rollout.lean_llama import LeanLlamaDecoder, PromptStore, weights_fingerprint
+from tinker_pipelines.rollout.lean_llama import LeanLlamaDecoder, PromptStore, unwrap_causal_lm, weights_fingerprint
 from tinker_pipelines.rollout.samples import BASE, Sample, SampleRequest, completion_text  # noqa: F401 (re-exported)
 from tinker_pipelines.rollout.shared_prefix import prefill_shared_prefix
 from tinker_pipelines.rollout.truncation import check_params, is_active
@@ -89,9 +89,10 @@ class Sampler:
         self._lean: tuple[tuple, LeanLlamaDecoder] | None = None
         self._store: PromptStore | None = None
         self._mixed: tuple[tuple, LeanLlamaDecoder | None] | None = None
-        self.counts = {"mixed_batches": 0, "mixed_batch_errors": 0}
-        """Batches of several requests `sample_each` decoded together, and those that failed and
-        were rerun one request at a time (each logged with its cause)."""
+        self.counts = {"mixed_batches": 0, "mixed_batch_errors": 0, "unembed_alone": 0}
+        """Batches of several requests `sample_each` decoded together, those that failed and
+        were rerun one request at a time (each logged with its cause), and batches of several
+        requests where some decoded apart because their adapter has output-layer LoRA (logged)."""
         self.check_every: int | None = None
         """Decode steps between host checks for finished rows and stop strings (None: every step
         on a CPU, `DEVICE_CHECK_EVERY` elsewhere). Samples do not depend on it; a request's
@@ -117,13 +118,15 @@ class Sampler:
 
     def sample(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
                generator: torch.Generator | None = None, *, top_k: int = 0, top_p: float = 1.0,
-               min_p: float = 0.0, stop: tuple[str, ...] | list[str] = (), top_logprobs: int = 0) -> list[Sample]:
+               min_p: float = 0.0, stop: tuple[str, ...] | list[str] = (), top_logprobs: int = 0,
+               stop_token_ids: tuple[int, ...] | list[int] = ()) -> list[Sample]:
         """Complete every prompt; rows are independent of each other's lengths. `top_k`, `top_p`,
-        `min_p`, `stop` and `top_logprobs` are `SampleRequest`'s (the defaults: no truncation, no
-        stop strings, no top logprobs)."""
+        `min_p`, `stop`, `top_logprobs` and `stop_token_ids` are `SampleRequest`'s (the defaults: no
+        truncation, no stop strings, no top logprobs, the sampler's own stop tokens only)."""
         return self.sample_requests([SampleRequest(prompts, max_new_tokens, temperature, generator, top_k=top_k,
                                                    top_p=top_p, min_p=min_p, stop=tuple(stop),
-                                                   top_logprobs=top_logprobs)])[0]
+                                                   top_logprobs=top_logprobs,
+                                                   stop_token_ids=tuple(stop_token_ids))])[0]
 
     def supports_mixed_adapters(self) -> bool:
         """Whether rows of different LoRA adapters can decode in one batch (lean Llama path,
@@ -154,17 +157,19 @@ class Sampler:
             named = [requests[i].adapter for i in live]
             decoder = self._mixed_decoder() if self.lean and LeanLlamaDecoder.supports(self.model) else None
             order = sorted(live, key=lambda i: named.index(requests[i].adapter))  # rows grouped by adapter
+            alone = self._unembed_alone(order, requests) if decoder is not None else []
+            mixed = [i for i in order if i not in alone]
             try:
                 if decoder is None:
                     raise _NotHostable
-                results = self._decode([requests[i] for i in order], decoder, None, mixed=True)
+                results = self._decode([requests[i] for i in mixed], decoder, None, mixed=True) if mixed else []
             except _NotHostable:  # one adapter at a time through the model's own forward
-                results = []
-                for i in order:
-                    with _adapter_set(self.model, requests[i].adapter):
-                        decoder, fingerprint = self._decoder()
-                        results += self._decode([requests[i]], decoder, fingerprint)
-            for i, res in zip(order, results):
+                mixed, alone, results = [], order, []
+            for i in alone:
+                with _adapter_set(self.model, requests[i].adapter):
+                    decoder, fingerprint = self._decoder()
+                    results += self._decode([requests[i]], decoder, fingerprint)
+            for i, res in zip(mixed + alone, results):
                 out[i] = res
             return out
         decoder, fingerprint = self._decoder()
@@ -172,6 +177,19 @@ class Sampler:
         for i, res in zip(live, results):
             out[i] = res
         return out
+
+    def _unembed_alone(self, order: list[int], requests: list[SampleRequest]) -> list[int]:
+        """The requests whose adapter has LoRA on the output layer (Tinker's `train_unembed`):
+        the mixed decoder adds adapter deltas to the decoder layers only, so these decode one
+        adapter at a time (merged), each such batch logged and counted (`unembed_alone`)."""
+        head = getattr(unwrap_causal_lm(self.model).lm_head, "lora_A", {})
+        alone = [i for i in order if requests[i].adapter in head]
+        if alone and len(order) > 1:
+            self.counts["unembed_alone"] += 1
+            log.info("%d of %d sample requests decode apart from the mixed batch: adapter(s) %s have LoRA on "
+                     "the output layer", len(alone), len(order),
+                     ", ".join(sorted({str(requests[i].adapter) for i in alone})))
+        return alone
 
     def sample_each(self, requests: list[SampleRequest]) -> list[list[Sample] | Exception]:
         """`sample_requests` for requests of independent callers: each request's samples, or the
@@ -219,11 +237,15 @@ class Sampler:
             raise ValueError(f"stop must be non-empty strings, got {r.stop!r}")
         if r.stop and self.tokenizer is None:
             raise ValueError("stop strings need the sampler's tokenizer (Sampler(..., tokenizer=...))")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        bad = next((t for t in r.stop_token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab),
+                   None)
+        if bad is not None:
+            raise ValueError(f"stop token id {bad!r} is outside the model's vocabulary [0, {vocab})")
         if r.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {r.max_new_tokens}")
         if any(len(p) == 0 for p in r.prompts):
             raise ValueError("empty prompt")
-        vocab = self.model.get_input_embeddings().num_embeddings
         for p in r.prompts:
             lo, hi = min(p), max(p)
             if lo < 0 or hi >= vocab:
@@ -433,10 +455,16 @@ class _DecodeRows:
         self.end_B = self.maxnew_B.clone()  # tokens kept per row
         self.req_live = [len(r.prompts) for r in requests]
         self.n_live = B  # live rows at the last check
-        self.has_stop_ids = bool(stop_ids)
+        self.has_stop_ids = bool(stop_ids) or any(r.stop_token_ids for r in requests)
         self.is_stop_V = torch.zeros(vocab + 1, dtype=torch.bool, device=device)
         self.is_stop_V[[i for i in stop_ids if 0 <= i < vocab]] = True
         self.stop_set = set(stop_ids)
+        self.stop_sets = [self.stop_set | set(r.stop_token_ids) for r in requests]  # per request
+        self.is_stop_RV: torch.Tensor | None = None  # per request, when some request adds its own
+        if any(r.stop_token_ids for r in requests):
+            self.is_stop_RV = self.is_stop_V.repeat(len(requests), 1)
+            for i, r in enumerate(requests):
+                self.is_stop_RV[i, [t for t in r.stop_token_ids if 0 <= t < vocab]] = True
         self.results: list[Sample | None] = [None] * B
         self.row_idx = torch.arange(B, device=device)  # each batch row's column in the uniforms
         self.ends_by_length = bool(self.maxnew_B.ne(M).any())
@@ -458,7 +486,10 @@ class _DecodeRows:
         if self.sup_BT is not None:
             self.sup_BT[:, t] = sup_B
         live_B = self.live_B
-        done_B = self.is_stop_V[tok_B] & live_B if self.has_stop_ids else torch.zeros_like(live_B)
+        if self.is_stop_RV is not None:
+            done_B = self.is_stop_RV[self.req_B, tok_B] & live_B
+        else:
+            done_B = self.is_stop_V[tok_B] & live_B if self.has_stop_ids else torch.zeros_like(live_B)
         if self.ends_by_length:
             done_B |= self.maxnew_B.eq(t + 1) & live_B
         self.end_B = torch.where(done_B, torch.minimum(self.end_B, torch.full_like(self.end_B, t + 1)), self.end_B)
@@ -509,7 +540,7 @@ class _DecodeRows:
         windows, owners = [], []
         for j, i in enumerate(idx):
             for s in range(t_from, min(t_to, ends[j] - 1) + 1):
-                if s == ends[j] - 1 and toks[j][s - lo] in self.stop_set:
+                if s == ends[j] - 1 and toks[j][s - lo] in self.stop_sets[req_of[rows[i]]]:
                     continue
                 windows.append(toks[j][max(0, s + 1 - window) - lo:s + 1 - lo])
                 owners.append((i, s))
@@ -541,7 +572,8 @@ class _DecodeRows:
                 if tops is not None and k else ()
             self.results[self.rows[i]] = Sample(
                 tuple(toks[j][:n]), tuple(lps[j][:n]),
-                "stop" if hit is not None or toks[j][n - 1] in self.stop_set else "length", hit, support, top)
+                "stop" if hit is not None or toks[j][n - 1] in self.stop_sets[self.req_of[self.rows[i]]] else "length",
+                hit, support, top)
 
     def by_request(self) -> list[list[Sample]]:
         results, offsets = self.results, self.offsets

@@ -60,6 +60,9 @@ class SampleRequest:
     skipped) first contains one of them; needs the sampler's tokenizer."""
     top_logprobs: int = 0
     """Also return each step's this many most likely tokens and their logprobs (`Sample.top_logprobs`); 0: off."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end this request's rows, besides the sampler's own stop tokens (Tinker's
+    `stop` given as token ids)."""
 
 
 BASE = "__base__"

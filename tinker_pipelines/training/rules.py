@@ -10,7 +10,7 @@ both the sampler and these rules call.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Any, Mapping
 
 from tinker_pipelines.rollout.truncation import check_params
 
@@ -78,3 +78,41 @@ def adam_settings(adam: Mapping[str, float]) -> dict[str, float]:
             raise ValueError(f"adam_params.{k} {what}, got {v[k]!r}")
     return {"lr": float(v["learning_rate"]), "betas": (float(v["beta1"]), float(v["beta2"])), "eps": float(v["eps"]),
             "weight_decay": float(v["weight_decay"]), "grad_clip_norm": float(v["grad_clip_norm"])}
+
+
+TINKER_LORA_TARGETS = {"train_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+                       "train_mlp": ("gate_proj", "up_proj", "down_proj"),
+                       "train_unembed": ("lm_head",)}
+"""The modules each switch of Tinker's `LoraConfig` adds LoRA to (Llama-style names)."""
+TINKER_LORA_ALPHA = 32.0
+"""The LoRA alpha of adapters made from a Tinker `LoraConfig`, which has no alpha field."""
+
+
+def tinker_lora_settings(lora_config: Mapping[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """Tinker's `LoraConfig` {rank, seed, train_mlp, train_attn, train_unembed} (the SDK's
+    defaults for missing switches: all True) as `LearnerConfig` fields (mode 'lora', rank, alpha,
+    targets) and the adapter's init seed (None: the client gave none). `ValueError` naming
+    `lora_config.<field>`.
+
+    >>> tinker_lora_settings({"rank": 4, "seed": 7, "train_mlp": False})
+    ({'mode': 'lora', 'lora_rank': 4, 'lora_alpha': 32.0, 'lora_targets': ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'lm_head')}, 7)
+    """
+    known = ("rank", "seed", *TINKER_LORA_TARGETS)
+    unknown = sorted(set(lora_config) - set(known))
+    if unknown:
+        raise ValueError(f"lora_config.{unknown[0]} is not a LoraConfig field; fields: {', '.join(known)}")
+    rank, seed = lora_config.get("rank"), lora_config.get("seed")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"lora_config.rank must be an integer >= 1, got {rank!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"lora_config.seed must be an integer or null, got {seed!r}")
+    switches = {k: lora_config.get(k, True) for k in TINKER_LORA_TARGETS}
+    for k, v in switches.items():
+        if not isinstance(v, bool):
+            raise ValueError(f"lora_config.{k} must be true or false, got {v!r}")
+    if not any(switches.values()):
+        raise ValueError("lora_config: train_attn, train_mlp and train_unembed are all false; an adapter needs "
+                         "at least one of them")
+    targets = tuple(t for k in ("train_attn", "train_mlp", "train_unembed") if switches[k]
+                    for t in TINKER_LORA_TARGETS[k])
+    return {"mode": "lora", "lora_rank": rank, "lora_alpha": TINKER_LORA_ALPHA, "lora_targets": targets}, seed

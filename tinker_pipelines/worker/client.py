@@ -85,6 +85,11 @@ class WorkerClient:
                claim: str | None = None) -> M.CreateReply:
         return self.send(M.Create(name, learner, seed, base_name, algorithm, claim))  # type: ignore[return-value]
 
+    def create_sampler(self, name: str, path: str | Path, base_name: str = "") -> dict[str, Any]:
+        """Host the weights of LoRA checkpoint `path` as read-only adapter `name` (sampling and
+        scoring only), shaped as its record says; returns the checkpoint's record."""
+        return self.send(M.CreateSampler(name, str(Path(path).resolve()), base_name)).record  # type: ignore[attr-defined]
+
     def park(self, adapter: str, tag: str) -> None:
         self.send(M.Park(adapter, tag))
 

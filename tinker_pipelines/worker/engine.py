@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import resource
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -17,7 +19,10 @@ from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.algorithms.tinker_losses import TinkerLossFn, check_tinker_datums, tinker_loss
 from tinker_pipelines.training.gradient import Account
 from tinker_pipelines.training.learner import Learner, LearnerConfig
-from tinker_pipelines.rollout.sampler import Sample, Sampler, SampleRequest
+from tinker_pipelines.rollout.sampler import BASE, Sample, Sampler, SampleRequest
+from tinker_pipelines.rollout.truncation import target_logprobs
+from tinker_pipelines.training.lora_linear import adapters_disabled
+from tinker_pipelines.training.padding import pad_datums
 from tinker_pipelines.types import Datum
 from tinker_pipelines.worker.batching import FBJob, forward_backward_together
 from tinker_pipelines.worker.messages import error_reply
@@ -49,6 +54,8 @@ class Hosted:
     """The record of the checkpoint it was last saved to or loaded from (None: neither yet)."""
     parked: tuple[str, float] | None = None
     """(tag, monotonic deadline) while parked: the state tag its last holder gave, and when it expires."""
+    read_only: bool = False
+    """Loaded for sampling and scoring only (a Tinker sampler's checkpoint): training ops are refused."""
 
 
 @dataclass
@@ -96,6 +103,8 @@ class Engine:
 
     def __post_init__(self) -> None:
         self.base_model = self.model
+        self.base_generator = torch.Generator().manual_seed(0)
+        """Uniforms of base-model sample requests that bring neither a seed nor a generator."""
         self.sampler = Sampler(self.model, self.pad_token_id, self.stop_token_ids, tokenizer=self.tokenizer)
 
     @property
@@ -137,8 +146,9 @@ class Engine:
         if self.cfg.exclusive and self.hosted:
             raise RequestError(f"this worker is exclusive and already hosts {next(iter(self.hosted))!r}")
         if lcfg.mode == "lora" and lcfg.lora_rank > self.cfg.max_lora_rank:
-            raise RequestError(f"adapter {name!r} has training.lora_rank {lcfg.lora_rank}; this worker hosts ranks "
-                               f"up to {self.cfg.max_lora_rank} (--max-lora-rank)")
+            raise RequestError(f"adapter {name!r} has training.lora_rank {lcfg.lora_rank} (a Tinker client's "
+                               f"lora_config.rank); this worker hosts ranks up to {self.cfg.max_lora_rank} "
+                               "(--max-lora-rank)")
         if algorithm:
             get_algorithm(algorithm)
         base = self.model if lcfg.mode == "lora" else self.base_model
@@ -155,6 +165,23 @@ class Engine:
         gen = torch.Generator().manual_seed(seed)
         self.hosted[name] = Hosted(lr, gen, owner, algorithm, spec)
         return {"steps": lr.steps, "claimed": False}
+
+    def create_sampler(self, owner: int, name: str, path: str, base_name: str = "") -> dict[str, Any]:
+        """Host LoRA checkpoint `path`'s weights as read-only adapter `name` for client `owner`
+        (sampling and scoring: training ops are refused), shaped as its record says (rank,
+        targets); `base_name` ('': the record's) is the base it must have been trained on."""
+        record = _peek_record(Path(path))
+        learner = record.get("learner")
+        if not isinstance(learner, dict) or record.get("mode") != "lora":
+            raise RequestError(f"checkpoint {path} is not a LoRA adapter's (mode {record.get('mode')!r})")
+        self.create(owner, name, learner, 0, base_name or record.get("base_model") or "")
+        try:
+            record = self.load_state(name, path, optimizer=False)
+        except Exception:
+            self.drop(name)
+            raise
+        self.hosted[name].read_only = True
+        return record
 
     def park(self, name: str, tag: str) -> None:
         """Keep adapter `name` after its holder goes away, for a client that claims it with `tag`
@@ -190,6 +217,14 @@ class Engine:
             self.drop(n)
         return names
 
+    def trainable(self, name: str) -> Learner:
+        """Adapter `name`'s learner, for a training op; RequestError when it is read-only."""
+        h = self.get(name)
+        if h.read_only:
+            raise RequestError(f"adapter {name!r} is read-only (loaded for sampling): it takes no forward_backward "
+                               "or optim_step")
+        return h.learner
+
     def get(self, name: str) -> Hosted:
         h = self.hosted.get(name)
         if h is None:
@@ -200,9 +235,12 @@ class Engine:
     # -- sampling ---------------------------------------------------------------------------
     def sample(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Requests: {adapter, prompts, max_new_tokens, temperature, generator_state} and optional
-        top_k, top_p, min_p, stop, top_logprobs (`SampleRequest`'s); each reply has the samples (tokens,
-        logprobs, stop_reason, stop_string, support, top_logprobs) and the advanced generator state (or an error
-        of its own: one client's bad request never fails the others batched with it)."""
+        top_k (-1 or 0: off), top_p, min_p, stop, top_logprobs (`SampleRequest`'s), and Tinker's
+        seed, stop_token_ids, num_samples and prompt_logprobs. Adapter '' samples the base without
+        any adapter. Each reply has the samples (tokens, logprobs, stop_reason, stop_string,
+        support, top_logprobs; `num_samples` per prompt, prompt by prompt), the advanced generator
+        state, and with `prompt_logprobs` each prompt's (or an error of its own: one client's bad
+        request never fails the others batched with it)."""
         replies: list[dict[str, Any] | None] = [None] * len(requests)
         ready: list[tuple[int, SampleRequest, torch.Generator]] = []
         for i, r in enumerate(requests):
@@ -222,40 +260,89 @@ class Engine:
                     with _active(self.model, req.adapter):
                         out = [self.sampler.sample(req.prompts, req.max_new_tokens, req.temperature, req.generator,
                                                    top_k=req.top_k, top_p=req.top_p, min_p=req.min_p, stop=req.stop,
-                                                   top_logprobs=req.top_logprobs)]
+                                                   top_logprobs=req.top_logprobs,
+                                                   stop_token_ids=req.stop_token_ids)]
                 except Exception as e:  # noqa: BLE001 - this request's error alone
                     out = [e]
             for (i, req, gen), samples in zip(group, out):
-                if isinstance(samples, Exception):
-                    replies[i] = _error(samples)
-                    continue
-                replies[i] = {"samples": [(s.tokens, s.logprobs, s.stop_reason, s.stop_string, s.support,
-                                           s.top_logprobs) for s in samples],
-                              "generator_state": gen.get_state().numpy().tobytes()
-                              if requests[i].get("generator_state") is not None else None}
+                replies[i] = _error(samples) if isinstance(samples, Exception) else self._sample_reply(
+                    requests[i], req, gen, samples)
         return replies  # type: ignore[return-value]
+
+    def _sample_reply(self, r: dict[str, Any], req: SampleRequest, gen: torch.Generator,
+                      samples: list[Sample]) -> dict[str, Any]:
+        reply = {"samples": [(s.tokens, s.logprobs, s.stop_reason, s.stop_string, s.support, s.top_logprobs)
+                             for s in samples],
+                 "generator_state": gen.get_state().numpy().tobytes()
+                 if r.get("generator_state") is not None else None}
+        if r.get("prompt_logprobs"):
+            try:
+                reply["prompt_logprobs"] = self.prompt_logprobs(req.adapter, [list(p) for p in r["prompts"]])
+            except Exception as e:  # noqa: BLE001 - this request's error alone
+                return _error(e)
+        return reply
+
+    @torch.no_grad()
+    def prompt_logprobs(self, adapter: str | None, prompts: list[list[int]]) -> list[list[float]]:
+        """Each prompt token's logprob given the tokens before it, under `adapter` (`BASE`: the
+        base alone), at temperature 1 without truncation: the first position has no prefix and
+        reads NaN. The same numbers as a Tinker adapter's `compute_logprobs` of the prompt."""
+        out: list[list[float]] = [[math.nan] for _ in prompts]
+        longer = [k for k, p in enumerate(prompts) if len(p) > 1]
+        if not longer:
+            return out
+        datums = [Datum(tuple(prompts[k][:-1]), tuple(prompts[k][1:]), (1.0,) * (len(prompts[k]) - 1)) for k in longer]
+        padded = pad_datums(datums, self.pad_token_id, self.device)
+        with _active(self.model, adapter):
+            logits_BTV = self.model(input_ids=padded.inputs_BT, attention_mask=padded.mask_BT).logits
+        lp_BT = target_logprobs(logits_BTV, padded.targets_BT, 1.0)
+        for k, d, row in zip(longer, datums, lp_BT.tolist()):
+            out[k] += row[:len(d.input_tokens)]
+        return out
 
     def _sample_request(self, r: dict[str, Any]) -> SampleRequest:
         """A client's sample request as a `SampleRequest`; RequestError naming what is malformed."""
-        h = self.get(r["adapter"])
+        base = not r["adapter"]
+        h = None if base else self.get(r["adapter"])
         raw = r["prompts"]
         if not isinstance(raw, (list, tuple)) or not all(isinstance(p, (list, tuple)) for p in raw):
             raise RequestError(f"prompts must be a list of token-id lists, got {type(raw).__name__}")
-        prompts = [[int(t) for t in p] for p in raw]
+        n = r.get("num_samples", 1)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise RequestError(f"num_samples must be an integer >= 1, got {n!r}")
+        prompts = [[int(t) for t in p] for p in raw for _ in range(n)]
         if len(prompts) > self.cfg.max_rows:
-            raise RequestError(f"{len(prompts)} prompts exceed this worker's --max-rows {self.cfg.max_rows}")
-        gen = h.generator
-        if r.get("generator_state") is not None:
-            gen = torch.Generator()
-            try:
-                gen.set_state(torch.frombuffer(bytearray(r["generator_state"]), dtype=torch.uint8))
-            except (RuntimeError, TypeError, ValueError) as e:
-                raise RequestError(f"generator_state is not the state of a CPU torch.Generator ({e})") from None
+            raise RequestError(f"{len(prompts)} sequences ({len(raw)} prompts x num_samples {n}) exceed this worker's "
+                               f"--max-rows {self.cfg.max_rows}")
+        gen = self._generator(r, h)
         stop = r.get("stop", ())
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
-        return SampleRequest(prompts, int(r["max_new_tokens"]), float(r["temperature"]), gen, r["adapter"],
-                             top_k=r.get("top_k", 0), top_p=r.get("top_p", 1.0), min_p=r.get("min_p", 0.0), stop=stop,
-                             top_logprobs=r.get("top_logprobs", 0))
+        top_k = r.get("top_k", 0)
+        top_k = 0 if top_k == -1 else top_k  # Tinker's "off"
+        adapter = (BASE if hasattr(self.model, "peft_config") else None) if base else r["adapter"]
+        return SampleRequest(prompts, int(r["max_new_tokens"]), float(r["temperature"]), gen, adapter,
+                             top_k=top_k, top_p=r.get("top_p", 1.0), min_p=r.get("min_p", 0.0), stop=stop,
+                             stop_token_ids=tuple(r.get("stop_token_ids") or ()), top_logprobs=r.get("top_logprobs", 0))
+
+    def _generator(self, r: dict[str, Any], h: Hosted | None) -> torch.Generator:
+        """The request's uniforms: from its `seed` (a fresh generator: the same seed gives the
+        same tokens whatever else is decoded), from the state it brought, else its adapter's own
+        generator (the base's, for base sampling)."""
+        if r.get("seed") is not None and r.get("generator_state") is not None:
+            raise RequestError("a sample request takes a seed or a generator_state, not both")
+        if r.get("seed") is not None:
+            seed = r["seed"]
+            if isinstance(seed, bool) or not isinstance(seed, int):
+                raise RequestError(f"seed must be an integer, got {seed!r}")
+            return torch.Generator().manual_seed(seed % 2**64)
+        if r.get("generator_state") is None:
+            return self.base_generator if h is None else h.generator
+        gen = torch.Generator()
+        try:
+            gen.set_state(torch.frombuffer(bytearray(r["generator_state"]), dtype=torch.uint8))
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise RequestError(f"generator_state is not the state of a CPU torch.Generator ({e})") from None
+        return gen
 
     # -- training ---------------------------------------------------------------------------
     def forward_backward(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -271,6 +358,8 @@ class Engine:
                 h = self.get(c["adapter"])
                 datums = c["datums"]
                 self._check_datums(datums)
+                if h.read_only and not c.get("forward_only"):
+                    self.trainable(c["adapter"])
                 if "loss" not in c:
                     jobs.append((i, FBJob(h.learner, datums, get_algorithm(c["algorithm"]).loss,
                                           LossConfig(**c["loss_cfg"]))))
@@ -391,18 +480,17 @@ def _chunk(items: list, max_rows: int) -> list[list]:
     return groups
 
 
-class _active:
-    """Make `adapter` the active one for the block (the merged, in-process decode path)."""
-
-    def __init__(self, model: torch.nn.Module, adapter: str):
-        self.model, self.adapter = model, adapter
-
-    def __enter__(self) -> None:
-        if getattr(self.model, "active_adapter", None) != self.adapter and hasattr(self.model, "set_adapter"):
-            self.model.set_adapter(self.adapter)
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+@contextlib.contextmanager
+def _active(model: torch.nn.Module, adapter: str | None) -> Iterator[None]:
+    """Make `adapter` the active one for the block (the merged, in-process decode path); `BASE`:
+    the base alone; None (a model without adapters yet): the model as it is."""
+    if adapter == BASE and hasattr(model, "peft_config"):
+        with adapters_disabled(model):
+            yield
+        return
+    if adapter not in (None, BASE) and getattr(model, "active_adapter", None) != adapter and hasattr(model, "set_adapter"):
+        model.set_adapter(adapter)
+    yield
 
 
 def _error(e: BaseException) -> dict[str, Any]:

@@ -37,6 +37,7 @@ class Op(str, enum.Enum):
 
     HELLO = "hello"
     CREATE = "create"
+    CREATE_SAMPLER = "create_sampler"
     PARK = "park"
     DROP = "drop"
     STATS = "stats"
@@ -167,6 +168,14 @@ class Create(Request, frozen=True, tag=Op.CREATE.value):
     claim: str | None = None
 
 
+class CreateSampler(Request, frozen=True, tag=Op.CREATE_SAMPLER.value):
+    """Host a saved LoRA checkpoint's weights as a read-only adapter (sampling and scoring only)."""
+
+    name: str
+    path: str  # the checkpoint directory, as the worker sees it
+    base_name: str = ""  # the base it must have been trained on ('': whatever its record names)
+
+
 class Park(AdapterRequest, frozen=True, tag=Op.PARK.value):
     tag: str
 
@@ -184,6 +193,8 @@ class Shutdown(Request, frozen=True, tag=Op.SHUTDOWN.value):
 
 
 class SampleCall(AdapterRequest, frozen=True, tag=Op.SAMPLE.value):
+    """Sample with `adapter` ('' : the base model without any adapter, which anyone may do)."""
+
     prompts: list[list[int]]
     max_new_tokens: int
     temperature: float = 1.0
@@ -193,6 +204,10 @@ class SampleCall(AdapterRequest, frozen=True, tag=Op.SAMPLE.value):
     min_p: float = 0.0
     stop: list[str] = []
     top_logprobs: int = 0
+    seed: int | None = None  # Tinker's: a fresh generator from it (not with generator_state)
+    stop_token_ids: list[int] = []  # ends rows besides the worker's own stop tokens
+    num_samples: int = 1  # samples of each prompt, prompt by prompt in the reply
+    prompt_logprobs: bool = False  # reply with each prompt token's logprob given its prefix
 
 
 class ForwardBackward(AdapterRequest, frozen=True, tag=Op.FORWARD_BACKWARD.value):
@@ -275,6 +290,10 @@ class CreateReply(Reply, frozen=True, tag=Op.CREATE.value):
     record: dict[str, Any] | None = None
 
 
+class CreateSamplerReply(Reply, frozen=True, tag=Op.CREATE_SAMPLER.value):
+    record: dict[str, Any]  # the checkpoint's
+
+
 class ParkReply(Reply, frozen=True, tag=Op.PARK.value):
     pass
 
@@ -294,6 +313,7 @@ class ShutdownReply(Reply, frozen=True, tag=Op.SHUTDOWN.value):
 class SampleReply(Reply, frozen=True, tag=Op.SAMPLE.value):
     samples: list[Sample]
     generator_state: bytes | None = None  # the request's generator, advanced; None when it brought none
+    prompt_logprobs: list[list[float]] | None = None  # per prompt, NaN first (no prefix); None: not asked
 
 
 class ForwardBackwardReply(Reply, frozen=True, tag=Op.FORWARD_BACKWARD.value):

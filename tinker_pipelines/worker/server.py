@@ -275,6 +275,8 @@ class WorkerServer:
             print(f"worker: dropped parked adapters nobody claimed in {e.cfg.park_ttl_s:g} s: {', '.join(expired)}",
                   file=self.log, flush=True)
         for item in batch:
+            if isinstance(item.request, M.SampleCall) and not item.request.adapter:
+                continue  # the bare base: anyone may sample it
             if isinstance(item.request, M.AdapterRequest):
                 try:
                     self._check_owner(item.client, item.request.adapter)
@@ -326,12 +328,13 @@ class WorkerServer:
         return {
             Op.CREATE: lambda c, r: M.CreateReply(**e.create(c, r.name, r.learner, r.seed, r.base_name,
                                                               r.algorithm, r.claim)),
+            Op.CREATE_SAMPLER: lambda c, r: M.CreateSamplerReply(e.create_sampler(c, r.name, r.path, r.base_name)),
             Op.PARK: park,
             Op.DROP: drop,
             Op.STATS: lambda c, r: M.StatsReply(e.stats()),
             Op.SHUTDOWN: shutdown,
-            Op.OPTIM_STEP: lambda c, r: M.OptimStepReply(learner(r).optim_step() if r.adam is None
-                                                          else learner(r).optim_step(r.adam)),
+            Op.OPTIM_STEP: lambda c, r: M.OptimStepReply(e.trainable(r.adapter).optim_step() if r.adam is None
+                                                          else e.trainable(r.adapter).optim_step(r.adam)),
             Op.COMPUTE_LOGPROBS: lambda c, r: M.ComputeLogprobsReply(learner(r).compute_logprobs(M.datums_of(r.datums))),
             Op.COMPUTE_REFERENCE_LOGPROBS: lambda c, r: M.ComputeReferenceLogprobsReply(
                 learner(r).compute_reference_logprobs(M.datums_of(r.datums))),
@@ -388,7 +391,7 @@ def _reply(op: Op, out: dict[str, Any]) -> M.Reply:
     if op == Op.SAMPLE:
         return M.SampleReply([Sample(tuple(t), tuple(lp), r, s, tuple(n), tuple(tuple(map(tuple, a)) for a in top))
                               for t, lp, r, s, n, top in out["samples"]],
-                             out["generator_state"])
+                             out["generator_state"], out.get("prompt_logprobs"))
     if op == Op.TINKER_FORWARD_BACKWARD:
         return M.TinkerForwardBackwardReply(out["logprobs"], out["metrics"])
     return M.ForwardBackwardReply(out["metrics"])

@@ -17,12 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tinker_pipelines.training.rules import tinker_lora_settings
 from tinker_pipelines.worker import WorkerError
 from tinker_pipelines.worker.client import WorkerClient
-
-LORA_ALPHA = 32.0
-"""LoRA alpha of every adapter the service creates (Tinker's clients choose only the rank)."""
-
 
 @dataclass(frozen=True)
 class LoraShape:
@@ -34,22 +31,10 @@ class LoraShape:
     train_attn: bool = True
     train_unembed: bool = True
 
-    def targets(self) -> tuple[str, ...]:
-        """The modules the adapter trains; refuses a shape that trains nothing."""
-        out: tuple[str, ...] = ()
-        if self.train_attn:
-            out += ("q_proj", "k_proj", "v_proj", "o_proj")
-        if self.train_mlp:
-            out += ("gate_proj", "up_proj", "down_proj")
-        if self.train_unembed:
-            out += ("lm_head",)
-        if not out:
-            raise ValueError("lora_config trains nothing: set at least one of train_mlp, train_attn, train_unembed")
-        return out
-
     def learner(self) -> dict[str, Any]:
-        """The worker's `LearnerConfig` fields for this adapter."""
-        return {"mode": "lora", "lora_rank": self.rank, "lora_alpha": LORA_ALPHA, "lora_targets": list(self.targets())}
+        """The worker's `LearnerConfig` fields for this adapter (`training.rules.tinker_lora_settings`)."""
+        fields, _ = tinker_lora_settings({k: v for k, v in self.as_dict().items() if k != "seed"})
+        return {**fields, "lora_targets": list(fields["lora_targets"])}
 
     def as_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "seed": self.seed, "train_mlp": self.train_mlp, "train_attn": self.train_attn,
@@ -125,8 +110,7 @@ class Runtime:
         try:
             t.conn.save_state(t.adapter, str(tmp / "s"))
             name = _adapter_name("s")
-            t.conn.create(name, t.lora.learner(), t.lora.seed)
-            t.conn.load_state(name, str(tmp / "s"), optimizer=False)
+            t.conn.create_sampler(name, str(tmp / "s"))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         t.snapshots.append(name)
@@ -138,15 +122,11 @@ class Runtime:
                 pass  # already gone with its connection
         return name
 
-    def load_for_sampling(self, path: Path, lora: LoraShape) -> str:
-        """A read-only adapter from the checkpoint at `path`, on the shared connection."""
+    def load_for_sampling(self, path: Path) -> str:
+        """A read-only adapter from the checkpoint at `path` (shaped as its record says), on the
+        shared connection."""
         name = _adapter_name("p")
-        self.shared.create(name, lora.learner(), lora.seed)
-        try:
-            self.shared.load_state(name, str(path), optimizer=False)
-        except BaseException:
-            self.shared.drop(name)
-            raise
+        self.shared.create_sampler(name, str(path))
         return name
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from tinker_pipelines.worker import messages as M
 class _Pending:
     call: M.SampleCall
     future: asyncio.Future
+    key: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class SampleBatcher:
     async def sample(self, conn: Any, call: M.SampleCall) -> Answer:
         key = id(conn)
         fut = asyncio.get_running_loop().create_future()
-        self._queues.setdefault(key, []).append(_Pending(call, fut))
+        self._queues.setdefault(key, []).append(_Pending(call, fut, merge_key(call)))
         self._conns[key] = conn
         if key not in self._busy:
             self._busy.add(key)
@@ -74,11 +75,11 @@ class SampleBatcher:
 
     def _take(self, key: int) -> list[_Pending]:
         queue = self._queues[key]
-        first = merge_key(queue[0].call)
+        first = queue[0].key
         group, rest, rows = [], [], 0
         for p in queue:
             n = len(p.call.prompts) * p.call.num_samples
-            if merge_key(p.call) == first and (not group or rows + n <= self.max_rows):
+            if p.key == first and (not group or rows + n <= self.max_rows):
                 group.append(p)
                 rows += n
             else:
@@ -101,6 +102,11 @@ class SampleBatcher:
                             p.future.set_exception(e)
                     continue
                 self._split(group, reply)
+        except BaseException as e:  # a bug here must fail the calls, not leave their clients polling forever
+            for p in self._queues.get(key, []):
+                if not p.future.done():
+                    p.future.set_exception(e)
+            raise
         finally:
             self._busy.discard(key)
             self._queues.pop(key, None)

@@ -26,9 +26,12 @@ from tinker_pipelines.serving.tinker import wire
 from tinker_pipelines.serving.tinker.futures import Failed, Futures, Proto, Result, SeqQueue
 from tinker_pipelines.serving.tinker.runtime import LoraShape, Runtime, Trainer
 from tinker_pipelines.serving.tinker.sampling import Answer, SampleBatcher
-from tinker_pipelines.rollout.samples import BASE
 from tinker_pipelines.types import Datum
 from tinker_pipelines.worker import messages as M
+
+
+BASE_ADAPTER = ""
+"""The adapter name that samples the worker's base without any adapter."""
 
 
 class NotFound(LookupError):
@@ -104,7 +107,7 @@ class Sampler:
     base_model: str
     model_path: str | None
     adapter: str
-    """The worker adapter it samples (`BASE` for the base)."""
+    """The worker adapter it samples (`BASE_ADAPTER` for the base)."""
     trainer: Trainer | None = None
     """The client whose connection holds `adapter` (None: the runtime's shared connection)."""
 
@@ -201,11 +204,16 @@ class Service:
     # -- models -----------------------------------------------------------------------------
     def _lora(self, cfg: types.LoraConfig | None) -> LoraShape:
         cfg = cfg or types.LoraConfig(rank=32)
-        if not isinstance(cfg.rank, int) or not 1 <= cfg.rank <= self.max_lora_rank:
-            raise Invalid(f"lora_config.rank {cfg.rank!r} cannot be hosted here: this worker hosts ranks 1.."
+        if isinstance(cfg.rank, int) and cfg.rank > self.max_lora_rank:
+            raise Invalid(f"lora_config.rank {cfg.rank} cannot be hosted here: this worker hosts ranks 1.."
                           f"{self.max_lora_rank}", "lora_config.rank")
-        return LoraShape(cfg.rank, 0 if cfg.seed is None else int(cfg.seed), cfg.train_mlp, cfg.train_attn,
-                         cfg.train_unembed)
+        shape = LoraShape(cfg.rank, 0 if cfg.seed is None else int(cfg.seed), cfg.train_mlp, cfg.train_attn,
+                          cfg.train_unembed)
+        try:
+            shape.learner()
+        except ValueError as e:
+            raise Invalid(str(e), str(e).split(" ", 1)[0].rstrip(":")) from None
+        return shape
 
     def create_model(self, req: types.CreateModelRequest) -> str:
         """Starts creating a training client; returns the request id (its result: CreateModelResponse)."""
@@ -431,11 +439,11 @@ class Service:
         s = self.session(req.session_id)
         sid = f"{s.session_id}:sample:{req.sampling_session_seq_id}"
         if req.model_path is None:
-            self.samplers[sid] = Sampler(sid, self.check_base(req.base_model), None, BASE)
+            self.samplers[sid] = Sampler(sid, self.check_base(req.base_model), None, BASE_ADAPTER)
             return sid
         model_id, _, _, d = self.resolve(req.model_path, "model_path")
         meta = json.loads((d / "record.json").read_text()).get("record", {}).get("tinker") or self._meta(model_id)
-        adapter = await asyncio.to_thread(self.runtime.load_for_sampling, d, LoraShape(**meta["lora"]))
+        adapter = await asyncio.to_thread(self.runtime.load_for_sampling, d)
         self.samplers[sid] = Sampler(sid, meta["base_model"], req.model_path, adapter)
         return sid
 

@@ -219,6 +219,7 @@ def test_atomic_directory_failure_keeps_the_previous_version(tmp_path):
 
 
 @pytest.mark.parametrize("kind,moment", [("plain", "checkpoint_write"), ("dagster", "after_checkpoint")])
+@pytest.mark.e2e
 def test_kill_9_and_resume_is_exact(tmp_path, kind, moment):
     """A real SIGKILL to the training process inside a checkpoint write (plain loop) and right
     after a checkpoint, before it is registered (Dagster run): the resumed run's final adapter,

@@ -332,6 +332,7 @@ def test_config_values_reach_the_sampler_and_learner():
     assert config_from_dict({}).training.stop == () and Experiment(config_from_dict({})).rollout_cfg.sampling_kwargs() == {}
 
 
+@pytest.mark.e2e
 def test_worker_process_serves_the_parameters(tiny, tmp_path):
     import os
     import signal

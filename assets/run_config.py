@@ -18,7 +18,7 @@ import math
 import inspect
 import textwrap
 import typing
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import dagster as dg
 from pydantic import Field, create_model
@@ -31,10 +31,14 @@ _DEFAULTS = lib.Config()
 
 
 def _field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings (`x: int = 1` followed by a string literal)."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    return {a.target.id: b.value.value.strip() for a, b in zip(body, body[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    """Attribute docstrings (`x: int = 1` followed by a string literal), a dataclass base's too
+    (`TrainingConfig`'s sampling fields are declared on `SamplingSettings`)."""
+    docs: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        docs.update({a.target.id: b.value.value.strip() for a, b in zip(body, body[1:])
+                     if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)})
+    return docs
 
 
 def _config_class(cls: type, suffix: str = "Run") -> type[dg.Config]:
@@ -48,6 +52,8 @@ def _config_class(cls: type, suffix: str = "Run") -> type[dg.Config]:
         if typing.get_origin(hint) is dict:
             hint = Dict[str, Any]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if typing.get_origin(hint) is tuple:  # Dagster's config types have lists, not tuples (YAML has lists)
+            hint, default = List[typing.get_args(hint)[0]], list(default)
         fields[f.name] = (hint, Field(default=default, description=docs.get(f.name, f.name)))
     return create_model(cls.__name__ + suffix, __base__=dg.Config, __doc__=cls.__doc__, **fields)
 

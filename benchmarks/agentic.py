@@ -35,6 +35,7 @@ Prints a table; the last line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import random
@@ -53,15 +54,22 @@ from tinker_pipelines.envs.two_agent import SCRIPTED_PLAYERS, RaceEnv, RaceGame
 from tinker_pipelines.training.learner import Learner, LearnerConfig
 from tinker_pipelines.models import encode_chat, load_model, stop_token_ids
 from tinker_pipelines.loops.multiagent import MultiAgentConfig, MultiAgentTrainer
-from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes, run_groups
+from tinker_pipelines.rollout.episodes import run_episodes, run_groups
+from tinker_pipelines.rollout.settings import SamplingSettings
 from tinker_pipelines.rollout.sampler import Sampler
 from tinker_pipelines.envs import EnvSpec
 from tinker_pipelines.loops.experiment import derived_seed
 
 @dataclass(frozen=True)
-class ToolsConfig:
+class ToolsConfig(SamplingSettings):
     """One setting of the tools part (SmolLM2-135M-Instruct, one LoRA adapter, `multiply_tools`,
-    SFT then GRPO); `TOOLS_PRESETS` names the settings, `--preset` picks one."""
+    SFT then GRPO); `TOOLS_PRESETS` names the settings, `--preset` picks one. RL samples with the
+    inherited `SamplingSettings`; evaluation uses them greedily."""
+
+    max_new_tokens: int = 40
+    """Tokens per turn, in RL and evaluation."""
+    max_turns: int = 3
+    """Policy turns per episode (a tool call is one)."""
 
     model: str = "smollm2-135m-instruct"
     """Base model. The ~1M-parameter tiny model learns the tag format but never learned to copy
@@ -97,14 +105,11 @@ class ToolsConfig:
     """Episodes per group (same problem)."""
     rl_learning_rate: float = 2e-4
     """GRPO learning rate (the SFT optimizer, its rate changed)."""
-    max_new_tokens: int = 40
-    """Tokens per turn, in RL and evaluation."""
-    max_turns: int = 3
-    """Policy turns per episode (a tool call is one)."""
-    temperature: float = 1.0
-    """RL sampling temperature (evaluation is greedy)."""
     eval_tasks: int = 60
     """Held-out (`split="test"`) problems, the same ones after SFT and after RL."""
+
+    def __post_init__(self) -> None:
+        self.check_sampling("tools.")
 
 
 TOOLS_PRESETS = {
@@ -185,7 +190,7 @@ def tool_eval(sampler, tok, cfg: ToolsConfig, condition: str):
     kw = {**cfg.env, "split": "test", "tools": CONDITION_TOOLS[condition]}
     seeds = [10_000_000 + i for i in range(cfg.eval_tasks)]
     trajs = run_episodes(sampler, tok, [MultiplyEnv(**kw) for _ in seeds], seeds,
-                         RolloutConfig(cfg.max_new_tokens, 0.0, cfg.max_turns))
+                         dataclasses.replace(cfg.sampling(), temperature=0.0))
     return (statistics.fmean(exact(t) for t in trajs),
             statistics.fmean(float(t.info.get("tool_calls", 0) > 0 or "tool_results" in t.info) for t in trajs))
 
@@ -209,12 +214,13 @@ def run_tools(cfg: ToolsConfig, seed: int) -> dict:
     seed_everything(seed)
     model, tok = load_model(cfg.model, seed=seed)
     learner = Learner(model, LearnerConfig(mode="lora", learning_rate=cfg.sft_learning_rate, **cfg.lora,
-                                           temperature=cfg.temperature), tok.pad_token_id)
+                                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                                           min_p=cfg.min_p), tok.pad_token_id)
     sft(learner.model, tok, tool_sft_examples(cfg, seed), cfg.sft_steps, cfg.sft_batch_size, cfg.sft_learning_rate,
         seed, "tools", learner)
     for group in learner.optimizer.param_groups:
         group["lr"] = cfg.rl_learning_rate
-    sampler = Sampler(learner.model, tok.pad_token_id, stop_token_ids(tok))
+    sampler = Sampler(learner.model, tok.pad_token_id, stop_token_ids(tok), tokenizer=tok)
 
     def evaluate(label: str) -> dict:
         out = {c: tool_eval(sampler, tok, cfg, c) for c in cfg.conditions}
@@ -226,7 +232,7 @@ def run_tools(cfg: ToolsConfig, seed: int) -> dict:
     before = evaluate("SFT")
     algo = get_algorithm("grpo")
     specs = {c: EnvSpec("multiply_tools", {**cfg.env, "tools": CONDITION_TOOLS[c]}) for c in cfg.conditions}
-    rollout = RolloutConfig(cfg.max_new_tokens, cfg.temperature, cfg.max_turns)
+    rollout = cfg.sampling()
     for it in range(cfg.rl_iterations):
         rng = random.Random(derived_seed(seed, "tool-tasks", it))
         groups, success = [], {}

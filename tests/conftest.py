@@ -36,6 +36,22 @@ def tiny(_tiny_pristine):
     return copy.deepcopy(model), tokenizer
 
 
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory):
+    """One plain-loop run of `dagster_env.SMALL` (the suite's small seeded config), trained once
+    for the session: (its output_dir, its deterministic metrics per iteration). Tests that need
+    this run's numbers as a reference read them here instead of training it again; they must not
+    write under its output_dir."""
+    from dagster_env import SMALL
+
+    from tinker_pipelines.config import config_from_dict
+    from tinker_pipelines.loops.train import deterministic_metrics, train
+
+    out = tmp_path_factory.mktemp("small_run") / "run"
+    metrics = [deterministic_metrics(m) for m in train(config_from_dict({**SMALL, "output_dir": str(out)}))]
+    return out, metrics
+
+
 @contextlib.contextmanager
 def moto_s3(bucket: str):
     """A real S3-compatible server (moto's) on a free loopback port, test credentials in the

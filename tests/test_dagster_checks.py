@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import dagster as dg
+import pytest
 import torch
 from dagster_env import NO_SFT, materializations, tracker
 
@@ -17,6 +18,8 @@ from tinker_pipelines.envs.arithmetic import ArithmeticEnv
 from tinker_pipelines.tracking import registered_model_name
 from tinker_pipelines.loops.train import Experiment
 from tinker_pipelines.types import StepResult, Trajectory, TrajectoryGroup, Turn
+
+pytestmark = pytest.mark.e2e  # end to end (pyproject's `e2e` marker)
 
 
 def _experiment(mode: str) -> Experiment:

@@ -17,6 +17,8 @@ from tinker_pipelines.serving.export import export_version
 from tinker_pipelines.tracking import registered_model_name
 from tinker_pipelines.loops.train import deterministic_metrics, train
 
+pytestmark = pytest.mark.e2e  # end to end (pyproject's `e2e` marker)
+
 EXP = "jobs"
 
 
@@ -61,8 +63,8 @@ def _passed_checks(instance, asset: str, partition: str) -> set[str]:
     return {e.check_name for e in evals if e.asset_key == dg.AssetKey(asset) and e.passed}
 
 
-def test_same_metrics_as_the_plain_loop(trained, tmp_path):
-    plain = [deterministic_metrics(m) for m in train(config_from_dict({**SMALL, "output_dir": str(tmp_path)}))]
+def test_same_metrics_as_the_plain_loop(trained, small_run):
+    plain = small_run[1]  # SMALL through the plain loop
     t = tracker()
     run_id = t.find_run(EXP)
     for k, expected in enumerate(plain):

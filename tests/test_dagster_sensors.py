@@ -17,6 +17,8 @@ from tinker_pipelines.envs.arithmetic import ArithmeticEnv
 from tinker_pipelines.tracking import registered_model_name
 from tinker_pipelines.types import StepResult
 
+pytestmark = pytest.mark.e2e  # end to end (pyproject's `e2e` marker)
+
 EXP = "sensed"
 CFG = {**NO_SFT, "training": {**NO_SFT["training"], "iterations": 2}}
 MODEL = registered_model_name(EXP)

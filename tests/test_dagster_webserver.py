@@ -15,6 +15,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # end to end (pyproject's `e2e` marker)
+
 ROOT = Path(__file__).resolve().parents[1]
 QUERY = "{ assetNodes { assetKey { path } } repositoriesOrError { ... on RepositoryConnection { nodes { jobs { name } sensors { name } schedules { name } } } } }"
 

@@ -6,6 +6,7 @@ import os
 import signal
 
 import dagster as dg
+import pytest
 import torch
 from dagster_env import tracker
 
@@ -14,6 +15,8 @@ from resources.policy_engine import evict
 from tinker_pipelines.config import config_from_dict
 from tinker_pipelines.loops.train import deterministic_metrics, train
 from tinker_pipelines.worker.client import start_worker
+
+pytestmark = pytest.mark.e2e  # end to end (pyproject's `e2e` marker)
 
 CFG = {"seed": 5, "model": {"name": "tiny", "seed": 0}, "env": {"path": "test_worker:ShortReplyEnv", "eval_kwargs": {}},
        "algorithm": {"name": "grpo", "kl_coef": 0.05},

@@ -78,6 +78,7 @@ def two_ranks(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("stage,case", CASES)
+@pytest.mark.e2e
 def test_one_step_matches_the_plain_learner(two_ranks, stage, case):
     r = two_ranks[f"zero{stage}/{case}"]
     assert two_ranks["world_size"] == 2 and r["ranks_agree"] == 1.0
@@ -88,6 +89,7 @@ def test_one_step_matches_the_plain_learner(two_ranks, stage, case):
 
 
 @pytest.mark.parametrize("stage,case", CASES)
+@pytest.mark.e2e
 def test_checkpoint_loads_without_deepspeed_and_resumes(two_ranks, stage, case):
     r = two_ranks[f"zero{stage}/{case}"]
     assert r["record_ok"] == 1.0
@@ -100,6 +102,7 @@ def test_checkpoint_loads_without_deepspeed_and_resumes(two_ranks, stage, case):
 
 
 @pytest.mark.parametrize("stage", (2, 3))
+@pytest.mark.e2e
 def test_carried_reference_logprobs_skip_the_reference_forward(two_ranks, stage):
     """Datums scored once for several passes carry their reference logprobs: DeepSpeed's step
     uses them (no reference forward) and equals the plain learner's step that computes them."""
@@ -109,17 +112,26 @@ def test_carried_reference_logprobs_skip_the_reference_forward(two_ranks, stage)
     assert r["param_max_abs_well"] <= PARAM_ATOL and r["well_fraction"] > 0.85
 
 
-def test_one_process_without_torchrun(tmp_path):
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> dict:
+    """The worker script as one plain process (no torchrun), ZeRO-2 and -3, `ppo_token` and `bf16`:
+    one process start and DeepSpeed import serve both tests below."""
+    out = tmp_path_factory.mktemp("zero1") / "results.json"
+    _run([str(WORKER), str(out), "2,3", "ppo_token,bf16"], nproc=None, timeout=600)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+@pytest.mark.e2e
+def test_one_process_without_torchrun(one_rank, stage):
     """World size 1: the learner makes its own one-process gloo group."""
-    out = tmp_path / "results.json"
-    _run([str(WORKER), str(out), "3", "ppo_token"], nproc=None, timeout=300)
-    r = json.loads(out.read_text())
-    assert r["world_size"] == 1
-    r = r["zero3/ppo_token"]
+    assert one_rank["world_size"] == 1
+    r = one_rank[f"zero{stage}/ppo_token"]
     assert r["metrics_max_err"] <= METRICS_TOL and r["grad_max_err"] <= GRAD_RTOL
     assert r["param_max_abs_well"] <= PARAM_ATOL and r["ds_resume_param_max_abs"] == 0.0
 
 
+@pytest.mark.e2e
 def test_cli_train_under_torchrun(tmp_path):
     """`torchrun -m tinker_pipelines train` with ZeRO-3: rank 0 alone writes metrics and checkpoints,
     and the checkpoint is a plain Hugging Face directory."""
@@ -182,11 +194,10 @@ def _check_bf16(r: dict, exact_resume: bool = True) -> None:
         assert r["ds_resume_metrics_equal"] == 1.0
 
 
-def test_bf16_zero2_and_zero3_on_cpu(tmp_path):
+@pytest.mark.e2e
+def test_bf16_zero2_and_zero3_on_cpu(one_rank):
     """DeepSpeed accepts a `bf16` section on its CPU accelerator (one process, gloo)."""
-    out = tmp_path / "results.json"
-    _run([str(WORKER), str(out), "2,3", "bf16"], nproc=None, timeout=300)
-    r = json.loads(out.read_text())
+    r = one_rank
     for stage in (2, 3):
         assert r[f"zero{stage}/bf16"]["device"] == "cpu"
         _check_bf16(r[f"zero{stage}/bf16"])

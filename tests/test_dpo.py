@@ -259,6 +259,7 @@ def dpo_job_run():
         yield instance
 
 
+@pytest.mark.e2e
 def test_dpo_job_materializes_pairs_and_a_registered_evaluated_version(dpo_job_run, tmp_path):
     (pairs_rec,) = materializations(dpo_job_run, "preference_pairs", "dpo-job")
     pm = metadata(pairs_rec)

@@ -73,6 +73,7 @@ def _importable(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
 
 
+@pytest.mark.e2e
 def test_concurrent_runs_never_hold_one_device_together(tmp_path):
     """Two runs, each in its own process (`dagster job execute`), on one simulated device."""
     import subprocess
@@ -104,6 +105,7 @@ def test_concurrent_runs_never_hold_one_device_together(tmp_path):
 
 
 @pytest.mark.parametrize("launch", ["forkserver", "process"])
+@pytest.mark.e2e
 def test_a_killed_step_frees_its_lease_and_the_retry_gets_the_device(tmp_path, launch):
     with dg.instance_for_test() as instance:
         with dg.execute_job(dg.reconstructable(flaky), instance, run_config=_config(tmp_path, launch=launch)) as r:
@@ -147,6 +149,7 @@ def test_full_parameter_runs_ask_exclusive_and_bad_tags_name_the_tag():
             assert "gpu_executor.poll_interval_s must be > 0, got 0.0" in text
 
 
+@pytest.mark.e2e
 def test_rl_job_on_the_gpu_executor_with_a_worker(tmp_path):
     """`dagster job execute` of the `rl` job with TINKER_EXECUTOR=gpu: every step its own process,
     LoRA steps as thin clients of a resident worker, devices from the ledger."""

@@ -22,6 +22,8 @@ from assets.definitions import defs, inference_job
 from tinker_pipelines.loops.inference import InferenceConfig, experiment_from_checkpoint, parse_model_ref, run_inference
 from tinker_pipelines.tracking import registered_model_name
 
+pytestmark = pytest.mark.e2e  # end to end (pyproject's `e2e` marker)
+
 EXP = "infer"
 MODEL = registered_model_name(EXP)
 CFG = {**SMALL, "training": {**SMALL["training"], "iterations": 2}}

@@ -168,6 +168,7 @@ def _importable(monkeypatch):
 
 
 @pytest.mark.parametrize("launch", ["forkserver", "process"])
+@pytest.mark.e2e
 def test_each_step_gets_the_gpu_it_leased_set_before_cuda_started(tmp_path, monkeypatch, _importable, launch):
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(4))  # the executor detects (in this process)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")  # as SLURM would
@@ -194,6 +195,7 @@ def test_apply_lease_refuses_a_process_whose_cuda_started(monkeypatch):
 
 
 # -- (c) a worker holds a lease of its own ---------------------------------------------------------
+@pytest.mark.e2e
 def test_an_exclusive_step_is_never_placed_on_a_device_a_worker_holds(tmp_path, monkeypatch):
     from tinker_pipelines.scheduler.step_entry import lease_environment
     from tinker_pipelines.worker.client import start_worker

@@ -25,6 +25,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+pytestmark = pytest.mark.e2e  # end to end (pyproject's `e2e` marker)
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -130,7 +132,6 @@ def _assert_loopback(seen: set[tuple[str, str, int, str]], port: int) -> None:
     assert not elsewhere, f"listening beyond 127.0.0.1: {sorted(elsewhere)}"
 
 
-@pytest.mark.slow
 def test_dagster_dev_listens_on_loopback_only(tmp_path):
     env, commands = _ui_commands(tmp_path)
     port = _free_port()
@@ -140,7 +141,6 @@ def test_dagster_dev_listens_on_loopback_only(tmp_path):
     _assert_loopback(seen, port)
 
 
-@pytest.mark.slow
 def test_mlflow_ui_listens_on_loopback_only(tmp_path):
     env, commands = _ui_commands(tmp_path)
     port = _free_port()

@@ -172,6 +172,25 @@ def test_scripted_pool_config_is_checked(tiny):
         MultiAgentTrainer(model, tok, RaceGame, MultiAgentConfig(scripted_opponents=("grandmaster",), scripted_groups=1))
 
 
+def test_sampling_settings_are_checked_and_reach_sampler_and_learners(tiny):
+    """`MultiAgentConfig`'s sampling fields are the shared `SamplingSettings`: checked there,
+    named under `multiagent.`, and used by both the games' sampler and each seat's learner."""
+    model, tok = tiny
+    with pytest.raises(ValueError, match=r"multiagent\.max_new_tokens must be >= 1, got 0"):
+        MultiAgentConfig(max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"multiagent\.top_p must be in \(0, 1\]"):
+        MultiAgentConfig(top_p=0.0)
+    cfg = MultiAgentConfig(groups_per_batch=1, group_size=2, max_new_tokens=3, max_turns=4, top_k=5, min_p=0.01,
+                           stop=("9",))
+    trainer = MultiAgentTrainer(model, tok, RaceGame, cfg)
+    assert trainer.rollout_cfg == RolloutConfig(3, 1.0, 4, top_k=5, min_p=0.01, stop=("9",))
+    assert all((lr.cfg.top_k, lr.cfg.min_p) == (5, 0.01) for lr in trainer.learners.values())
+    games = trainer.rollout(0)
+    turns = [t for g in games for traj in g.values() for t in traj.turns]
+    assert turns and all(len(t.sampled_support) == len(t.sampled_tokens) for t in turns)  # top_k truncated every draw
+    assert all("9" not in t.action_text for t in turns)  # the env sees the text before the stop string
+
+
 def test_opponent_pool_groups_share_start_and_opponent_and_are_trained_on(tiny):
     model, tok = tiny
     cfg = MultiAgentConfig(groups_per_batch=2, group_size=4, max_new_tokens=1, max_turns=10, learning_rate=5e-2,

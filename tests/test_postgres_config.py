@@ -146,6 +146,7 @@ def _instance(home: Path) -> DagsterInstance:
     return DagsterInstance.from_config(str(home))
 
 
+@pytest.mark.e2e
 def test_production_yaml_runs_on_postgres(tmp_path, postgres, monkeypatch):
     for name, value in postgres.items():
         monkeypatch.setenv(name, value)
@@ -168,6 +169,7 @@ def test_production_yaml_runs_on_postgres(tmp_path, postgres, monkeypatch):
         assert fresh.get_concurrency_config().pool_config.default_pool_limit == 8
 
 
+@pytest.mark.e2e
 def test_the_server_checks_passwords(postgres):
     """So the test above can only pass with the password the yaml reads (no trust authentication)."""
     import psycopg2

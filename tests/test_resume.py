@@ -18,7 +18,8 @@ from tinker_pipelines.loops.train import Experiment, deterministic_metrics, trai
 
 CFG = {"seed": 2, "env": {"path": "arithmetic", "kwargs": {"max_operand": 3}},
        "algorithm": {"name": "grpo", "kl_coef": 0.05},
-       "training": {"iterations": 3, "learning_rate": 5e-3, "groups_per_batch": 2, "group_size": 4, "max_new_tokens": 4},
+       "training": {"iterations": 3, "learning_rate": 5e-3, "groups_per_batch": 2, "group_size": 4, "max_new_tokens": 4,
+                    "stop": ["\n\n"]},  # a list in YAML, a tuple in the config: every resume here compares the two
        "sft": {"steps": 4, "batch_size": 8, "examples": 16}, "eval": {"every": 2, "num_tasks": 2}}
 
 
@@ -128,6 +129,32 @@ def test_resume_may_extend_iterations(done, tmp_path):
     assert [m["iteration"] for m in more] == [3.0]
 
 
+def test_stop_strings_read_back_equal_from_records_params_and_settings(done, tmp_path):
+    """`training.stop` is a tuple in the config and a list in YAML, JSON records and MLflow params:
+    a run dir written before it became a tuple (records hold what `asdict` + JSON wrote) resumes."""
+    import dataclasses
+
+    from assets.lineage import _first_difference
+    from tinker_pipelines.config import config_to_dict
+    from tinker_pipelines.loops.run_dir import check_resumable, config_differences
+    from tinker_pipelines.tracking.mlflow_tracker import flatten
+
+    out = _copy(done, tmp_path, keep=2)
+    cfg = cfg_at(out)
+    assert cfg.training.stop == ("\n\n",)
+    ckpt = out / "checkpoints/iter_00001"
+    record = read_record(ckpt)
+    assert record["config"]["training"]["stop"] == ["\n\n"]
+    earlier = json.loads(json.dumps(dataclasses.asdict(cfg)))  # what the list-typed field wrote
+    assert earlier["training"]["stop"] == ["\n\n"] and config_differences(earlier, cfg) == []
+    assert check_resumable(ckpt, cfg, {**record, "config": earlier}) is not None
+    assert config_to_dict(cfg)["training"]["stop"] == ["\n\n"]
+    assert flatten(config_to_dict(cfg))["training.stop"] == str(["\n\n"])  # the MLflow param as logged before
+    stored = json.loads(json.dumps({"config": earlier}, sort_keys=True))  # Dagster's stored experiment settings
+    assert _first_difference(stored, {"config": config_to_dict(cfg)}) is None
+    assert [m["iteration"] for m in train(cfg, resume=True)] == [2.0]
+
+
 def test_checkpoint_of_another_model_says_so(done, tmp_path):
     out = _copy(done, tmp_path, keep=1)
     cfg = cfg_at(out, model__kwargs={"hidden_size": 48})
@@ -192,6 +219,7 @@ def test_atomic_directory_failure_keeps_the_previous_version(tmp_path):
 
 
 @pytest.mark.parametrize("kind,moment", [("plain", "checkpoint_write"), ("dagster", "after_checkpoint")])
+@pytest.mark.e2e
 def test_kill_9_and_resume_is_exact(tmp_path, kind, moment):
     """A real SIGKILL to the training process inside a checkpoint write (plain loop) and right
     after a checkpoint, before it is registered (Dagster run): the resumed run's final adapter,

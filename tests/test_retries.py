@@ -5,6 +5,7 @@ twice; a fresh dagster.yaml retries crashed `rl` runs and nothing else."""
 from __future__ import annotations
 
 import dagster as dg
+import pytest
 from dagster_env import NO_SFT, materializations, metadata, tracker
 
 from assets.launch import run_iterations
@@ -15,6 +16,8 @@ from tinker_pipelines.envs.arithmetic import ArithmeticEnv
 from tinker_pipelines.tracking import registered_model_name
 from tinker_pipelines.loops.train import EVAL_SEED_OFFSET, deterministic_metrics, train
 from tinker_pipelines.types import StepResult
+
+pytestmark = pytest.mark.e2e  # end to end (pyproject's `e2e` marker)
 
 
 class FlakyEnv(ArithmeticEnv):

@@ -138,7 +138,7 @@ def test_existing_dagster_yaml_is_kept_and_upgraded_by_appending(tmp_path):
         assert instance.get_concurrency_config().run_queue_config.max_concurrent_runs == 5
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_burst_of_runs_is_queued_and_never_exceeds_the_limits(tmp_path):
     from dagster._cli.job import execute_launch_command
     from dagster_shared.cli import WorkspaceOpts

@@ -386,9 +386,10 @@ def test_config_values_reach_the_sampler_and_learner():
     assert exp.sampler().tokenizer is exp.tokenizer
     dpo = Experiment(config_from_dict({"algorithm": {"name": "dpo"}, "training": {"top_p": 0.9, "group_size": 2}}))
     assert dpo.rollout_cfg.top_p == 0.9 and dpo.start_rl().cfg.top_p == 1.0  # DPO's loss: the untruncated model
-    assert config_from_dict({}).training.stop == [] and Experiment(config_from_dict({})).rollout_cfg.sampling_kwargs() == {}
+    assert config_from_dict({}).training.stop == () and Experiment(config_from_dict({})).rollout_cfg.sampling_kwargs() == {}
 
 
+@pytest.mark.e2e
 def test_worker_process_serves_the_parameters(tiny, tmp_path):
     import os
     import signal

@@ -34,6 +34,8 @@ from tinker_pipelines.serving.registry import Registry
 from tinker_pipelines.tracking import registered_model_name
 from tinker_pipelines.tracking.mlflow_tracker import EXPERIMENT_TAG, checks_tags
 
+pytestmark = pytest.mark.e2e  # end to end (pyproject's `e2e` marker)
+
 EXP = "serve"
 MODEL = registered_model_name(EXP)
 CFG = {**NO_SFT, "model": {"name": "tiny", "kwargs": {"num_layers": 2}}, "eval": {"every": 1, "num_tasks": 8}}
@@ -515,7 +517,7 @@ def test_cli_errors_are_one_line(instance, endpoint, capsys):
         assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.slow  # a fresh process imports the ML stack: ~20 s idle, minutes on a loaded machine
+# a fresh process imports the ML stack: ~20 s idle, minutes on a loaded machine
 def test_serve_job_deploys_the_endpoint_on_loopback(instance):
     from assets.definitions import serve_job
 

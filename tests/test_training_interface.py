@@ -112,6 +112,7 @@ def test_a_bf16_learner_reports_its_compute_dtype():
     assert not torch.cuda.is_initialized()
 
 
+@pytest.mark.e2e
 def test_a_remote_learner_conforms_without_placeholders(tmp_path):
     address = tmp_path / "w.sock"
     proc = start_worker("tiny", address, device="cpu", extra=["--threads", "1"], log=tmp_path / "log")

@@ -34,7 +34,7 @@ from assets.launch import run_iterations, run_sft
 from tinker_pipelines.tracking import registered_model_name
 from tinker_pipelines.tracking.mlflow_tracker import EXPERIMENT_KIND_TAG, experiment_ui_path
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

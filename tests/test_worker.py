@@ -20,6 +20,8 @@ from tinker_pipelines.worker import WorkerDiedError, WorkerError, messages
 from tinker_pipelines.worker.client import RemoteLearner, WorkerClient, start_worker
 from tinker_pipelines.worker.server import key_path
 
+pytestmark = pytest.mark.e2e  # end to end (pyproject's `e2e` marker)
+
 SMALL = {"seed": 3, "model": {"name": "tiny", "seed": 0},
          "env": {"path": "test_worker:ShortReplyEnv", "eval_kwargs": {}},
          "algorithm": {"name": "grpo", "kl_coef": 0.05},

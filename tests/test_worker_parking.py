@@ -11,6 +11,8 @@ from tinker_pipelines.loops.train import Experiment, deterministic_metrics
 from tinker_pipelines.worker import WorkerError
 from tinker_pipelines.worker.client import NEVER_SAVED, WorkerClient
 
+pytestmark = pytest.mark.e2e  # end to end (pyproject's `e2e` marker)
+
 
 def _stats(address):
     c = WorkerClient(address)

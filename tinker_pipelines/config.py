@@ -18,6 +18,7 @@ import yaml
 from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.envs.base import EnvSpec
 from tinker_pipelines.models import check_model_name
+from tinker_pipelines.rollout.settings import SamplingSettings
 from tinker_pipelines.training.rules import check_learner_settings
 
 
@@ -135,8 +136,9 @@ class DeepSpeedConfig:
 
 
 @dataclass(frozen=True)
-class TrainingConfig:
-    """The RL loop."""
+class TrainingConfig(SamplingSettings):
+    """The RL loop; its rollouts' sampling settings (max_new_tokens, temperature, max_turns,
+    top_k, top_p, min_p, stop) are `rollout.settings.SamplingSettings`'s fields."""
 
     mode: str = "lora"
     """'lora' or 'full'."""
@@ -152,22 +154,6 @@ class TrainingConfig:
     """Distinct tasks per iteration."""
     group_size: int = 8
     """Episodes per task (G), for the group baseline."""
-    max_new_tokens: int = 16
-    """Tokens per policy turn."""
-    max_turns: int = 1
-    """Policy turns per episode."""
-    temperature: float = 1.0
-    """Sampling temperature during training rollouts."""
-    top_k: int = 0
-    """Sample among the k most likely tokens (0: off); the learner's logprobs are those of the
-    truncated, renormalized distribution the sampler drew from."""
-    top_p: float = 1.0
-    """Nucleus sampling: the smallest set of most likely tokens with this much mass (1.0: off)."""
-    min_p: float = 0.0
-    """Sample among tokens at least min_p x as likely as the most likely one (0.0: off)."""
-    stop: list[str] = field(default_factory=list)
-    """Stop strings: a turn ends at the sampled token that completes one (kept in the
-    trajectory); the environment sees the text before it. Also in evaluation."""
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
     micro_batch_size: int = 64
@@ -263,9 +249,12 @@ class Config:
                  sft.learning_rate)
         for name in ("batch_size", "examples"):
             _require(getattr(sft, name) >= 1, f"sft.{name}", "must be >= 1", getattr(sft, name))
-        for name in ("iterations", "groups_per_batch", "group_size", "max_new_tokens", "max_turns"):
+        for name in ("iterations", "groups_per_batch", "group_size"):
             _require(getattr(t, name) >= 1, f"training.{name}", "must be >= 1", getattr(t, name))
-        _require(all(isinstance(x, str) and x for x in t.stop), "training.stop", "must be non-empty strings", t.stop)
+        try:
+            t.check_sampling("training.")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         ds = t.deepspeed
         _require(ds.stage in (0, 2, 3), "training.deepspeed.stage", "must be 0, 2 or 3", ds.stage)
         _require(ds.stage == 0 or t.mode == "full", "training.mode",
@@ -350,10 +339,10 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
             raise ConfigError(f"{name} must be {origin.__name__}, got {value!r}")
     if origin is dict and not isinstance(value, dict):
         raise ConfigError(f"{name} must be a mapping, got {value!r}")
-    if origin is list:
+    if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name} must be a list, got {value!r}")
-        value = list(value)
+        value = origin(value)
     return value
 
 
@@ -380,5 +369,15 @@ def load_config(path: str | Path) -> Config:
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
-    """Plain-data form of a config (for records, MLflow params and YAML)."""
-    return dataclasses.asdict(cfg)
+    """Plain-data form of a config (for records, MLflow params and YAML): tuple fields as lists,
+    as YAML and JSON write them and read them back, so that a record of an earlier run (and its
+    MLflow params, `str` of the value) compares equal to the same config now."""
+    return _tuples_as_lists(dataclasses.asdict(cfg))
+
+
+def _tuples_as_lists(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _tuples_as_lists(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_tuples_as_lists(v) for v in value]
+    return value

@@ -117,9 +117,7 @@ class Experiment:
                                    whiten_advantages=a.whiten_advantages,
                                    max_tokens=cfg.training.max_new_tokens * cfg.training.max_turns)
         self.epochs = a.ppo_epochs or self.algorithm.epochs
-        t = cfg.training
-        self.rollout_cfg = RolloutConfig(t.max_new_tokens, t.temperature, t.max_turns, top_k=t.top_k, top_p=t.top_p,
-                                         min_p=t.min_p, stop=tuple(t.stop))
+        self.rollout_cfg: RolloutConfig = cfg.training.sampling()
 
     def _connect(self, worker: "WorkerClient | str", base: str | Path | None) -> "WorkerClient":
         from tinker_pipelines.worker.client import WorkerClient

@@ -38,7 +38,8 @@ from tinker_pipelines.envs.two_agent import SCRIPTED_PLAYERS, GameStep, TwoAgent
 from tinker_pipelines.training.learner import Learner, LearnerConfig
 from tinker_pipelines.models import encode_chat, stop_token_ids
 from tinker_pipelines.rollout.episodes import RolloutConfig, env_reply_tokens, run_episodes
-from tinker_pipelines.rollout.sampler import Sampler
+from tinker_pipelines.rollout.settings import SamplingSettings
+from tinker_pipelines.rollout.sampler import Sampler, completion_text
 from tinker_pipelines.types import Message, Trajectory, TrajectoryGroup, Turn
 
 
@@ -128,11 +129,10 @@ def run_games(policies: dict[str, AgentPolicy], tokenizer: PreTrainedTokenizerBa
                 continue
             policy.activate()
             samples = policy.sampler.sample([g.seats[seat_name].context for g in movers], cfg.max_new_tokens,
-                                            cfg.temperature, generator)
-            stop_ids = set(policy.sampler.stop_token_ids)
+                                            cfg.temperature, generator, **cfg.sampling_kwargs())
             for g, smp in zip(movers, samples):
                 s = g.seats[seat_name]
-                action = tokenizer.decode([t for t in smp.tokens if t not in stop_ids], skip_special_tokens=True)
+                action = completion_text(tokenizer, smp, policy.sampler.stop_token_ids)
                 result = _checked_game_step(g.game, action)
                 s.turns.append(Turn(tuple(s.context), smp.tokens, smp.logprobs,
                                     float(result.rewards.get(seat_name, 0.0)), action, smp.support))
@@ -164,9 +164,14 @@ def run_games(policies: dict[str, AgentPolicy], tokenizer: PreTrainedTokenizerBa
 
 
 @dataclass(frozen=True)
-class MultiAgentConfig:
-    """Self-play training of one LoRA adapter per seat."""
+class MultiAgentConfig(SamplingSettings):
+    """Self-play training of one LoRA adapter per seat; games are sampled with the inherited
+    `SamplingSettings` (a move's tokens, moves per seat, temperature, truncation, stop strings)."""
 
+    max_new_tokens: int = 4
+    """Tokens per move."""
+    max_turns: int = 8
+    """Actions per seat before a game is cut off (both get 0)."""
     seed: int = 0
     algorithm: str = "grpo"
     learning_rate: float = 5e-3
@@ -176,10 +181,6 @@ class MultiAgentConfig:
     """Game seeds per iteration."""
     group_size: int = 8
     """Games per seed: each seat's G trajectories of one seed form a group."""
-    max_new_tokens: int = 4
-    temperature: float = 1.0
-    max_turns: int = 8
-    """Actions per seat before a game is cut off (both get 0)."""
     micro_batch_size: int = 64
     kl_coef: float = 0.0
     """Weight of a KL penalty to the shared base (each adapter disabled); keeps the format."""
@@ -191,6 +192,7 @@ class MultiAgentConfig:
     `group_size` games; their groups join the seat's self-play groups in one optimizer step."""
 
     def __post_init__(self) -> None:
+        self.check_sampling("multiagent.")
         if self.scripted_groups < 0:
             raise ValueError(f"multiagent.scripted_groups must be >= 0, got {self.scripted_groups}")
         if self.scripted_groups and not self.scripted_opponents:
@@ -226,7 +228,8 @@ class MultiAgentTrainer:
         self.loss_cfg = LossConfig(kl_coef=cfg.kl_coef)
         lcfg = LearnerConfig(mode="lora", learning_rate=cfg.learning_rate, lora_rank=cfg.lora_rank,
                              lora_alpha=cfg.lora_alpha, temperature=cfg.temperature if cfg.temperature > 0 else 1.0,
-                             micro_batch_size=cfg.micro_batch_size, needs_reference=cfg.kl_coef > 0)
+                             top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p, micro_batch_size=cfg.micro_batch_size,
+                             needs_reference=cfg.kl_coef > 0)
         self.seats = make_game().seats
         self.learners: dict[str, Learner] = {}
         model = base_model
@@ -235,8 +238,8 @@ class MultiAgentTrainer:
             model = learner.model
             self.learners[seat] = learner
         self.model = model
-        self.sampler = Sampler(model, tokenizer.pad_token_id, stop_token_ids(tokenizer))
-        self.rollout_cfg = RolloutConfig(cfg.max_new_tokens, cfg.temperature, cfg.max_turns)
+        self.sampler = Sampler(model, tokenizer.pad_token_id, stop_token_ids(tokenizer), tokenizer=tokenizer)
+        self.rollout_cfg = cfg.sampling()
         self.iteration = 0
 
     def policies(self) -> dict[str, AgentPolicy]:
@@ -313,7 +316,7 @@ class MultiAgentTrainer:
         scripted opponent: `envs.two_agent.RaceEnv(seat=..., opponent='greedy')`); greedy by
         default, else sampled at `temperature` with a generator seeded from `seed`."""
         self.learners[seat].activate()
-        cfg = RolloutConfig(self.cfg.max_new_tokens, temperature, self.cfg.max_turns)
+        cfg = dataclasses.replace(self.rollout_cfg, temperature=temperature)
         gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
         trajs = run_episodes(self.sampler, self.tokenizer, [make_env() for _ in seeds], seeds, cfg, gen)
         return statistics.fmean(float(t.info.get(key, 0.0)) for t in trajs)

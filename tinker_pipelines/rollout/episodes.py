@@ -15,37 +15,12 @@ from transformers import PreTrainedTokenizerBase
 from tinker_pipelines.envs.base import Env, EnvSpec, checked_reset, checked_step
 from tinker_pipelines.models import render_chat
 from tinker_pipelines.rollout.sampler import ContextOverflowError, Sampler, completion_text
+from tinker_pipelines.rollout.settings import SamplingSettings
 from tinker_pipelines.types import Message, Trajectory, TrajectoryGroup, Turn
 
 
-@dataclass(frozen=True)
-class RolloutConfig:
-    """How episodes are sampled."""
-
-    max_new_tokens: int = 16
-    """Tokens the policy may produce per turn."""
-    temperature: float = 1.0
-    """Sampling temperature; 0 is greedy."""
-    max_turns: int = 1
-    """Policy actions per episode before it is cut off."""
-    top_k: int = 0
-    """Sample among the k most likely tokens (0: off); see `rollout.truncation`."""
-    top_p: float = 1.0
-    """Sample within the nucleus of this much mass (1.0: off)."""
-    min_p: float = 0.0
-    """Sample among tokens at least min_p x as likely as the most likely one (0.0: off)."""
-    stop: tuple[str, ...] = ()
-    """Stop strings: a turn ends at the token that completes one. The turn's tokens (the
-    trajectory) keep every sampled token up to and including that one; the action the env sees
-    is the text before the stop string."""
-
-    def sampling_kwargs(self) -> dict:
-        """The sampler keyword arguments that differ from plain sampling (none by default)."""
-        out = {k: getattr(self, k) for k, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
-               if getattr(self, k) != off}
-        if self.stop:
-            out["stop"] = tuple(self.stop)
-        return out
+RolloutConfig = SamplingSettings
+"""How episodes are sampled: the shared sampling settings (`rollout.settings`), under the runner's name."""
 
 
 @dataclass

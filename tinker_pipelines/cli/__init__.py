@@ -1,7 +1,8 @@
 """`tinker-pipelines train CONFIG.yaml`: SFT warm start then RL, in a plain Python loop;
 `tinker-pipelines worker --model NAME`: a resident device worker hosting many experiments' adapters;
 `tinker-pipelines serve [MODEL@ALIAS ...]`: an OpenAI-compatible endpoint over the base and registered adapters;
-`tinker-pipelines export SOURCE --out DIR`: an adapter as a PEFT directory, its base and merged weights."""
+`tinker-pipelines export SOURCE --out DIR`: an adapter as a PEFT directory, its base and merged weights;
+`tinker-pipelines model-dir NAME --out DIR`: a catalogue model as a Hugging Face directory (for Tinker clients)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from tinker_pipelines.cli import models as models_cli
 from tinker_pipelines.cli.serving import cmd_export, cmd_serve
 from tinker_pipelines.cli.support import flags_named, one_line, parse_model_kwargs, warnings_as_lines
 from tinker_pipelines.worker import default_socket
@@ -272,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--tolerance", type=float, default=1e-4, help="largest logit difference accepted on reload, relative to the largest |logit|")
     e.add_argument("--device", default="cpu", help="where to load the models for the check (cpu, cuda, cuda:N)")
     e.set_defaults(func=cmd_export)
+    models_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command in ("serve", "worker"):
         # A compute thread beside request threads: libgomp's default lets torch's idle OpenMP

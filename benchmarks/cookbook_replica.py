@@ -112,7 +112,9 @@ class Replica:
         base, self.tokenizer = load_model(self.model_dir)
         cfg = LearnerConfig(mode="lora", learning_rate=settings.learning_rate, lora_rank=settings.lora_rank,
                             lora_alpha=32.0, betas=(0.9, 0.95), grad_clip=0.0,
-                            temperature=settings.temperature, micro_batch_size=64)
+                            temperature=settings.temperature,
+                            # one pass over the step's datums, as a Tinker forward_backward call is
+                            micro_batch_size=settings.groups_per_batch * settings.group_size)
         self.learner = Learner(base, cfg, self.tokenizer.pad_token_id, init_seed=seed)
         # Tinker stops where the request's stop sequences say, nowhere else.
         self.sampler = Sampler(self.learner.model, self.tokenizer.pad_token_id, [], tokenizer=self.tokenizer)

@@ -92,7 +92,7 @@ class Settings:
 
     groups_per_batch: int = 16
     group_size: int = 8
-    max_tokens: int = 5
+    max_tokens: int = 8
     learning_rate: float = 1e-3
     lora_rank: int = 8
     temperature: float = 1.0

@@ -60,7 +60,7 @@ def sdk_steps(url: str, mdir: Path, s: rep.Settings, prompts: dict, steps: int, 
     adam = types.AdamParams(learning_rate=s.learning_rate, beta1=0.9, beta2=0.95, eps=1e-12)
     losses, datums_by_step, t0 = [], [], time.perf_counter()
     for i in range(steps):
-        sampler = trainer.save_weights_and_get_sampling_client()
+        sampler = trainer.save_weights_and_get_sampling_client().result()
         futures = [sampler.sample(tinker.ModelInput.from_ints(p), s.group_size, params) for p in prompts[i]]
         datums = []
         for p, (x, y), f in zip(prompts[i], rep.recipe_problems(i, s.groups_per_batch), futures):

@@ -116,8 +116,10 @@ class Replica:
                             # one pass over the step's datums, as a Tinker forward_backward call is
                             micro_batch_size=settings.groups_per_batch * settings.group_size)
         self.learner = Learner(base, cfg, self.tokenizer.pad_token_id, init_seed=seed)
-        # Tinker stops where the request's stop sequences say, nowhere else.
-        self.sampler = Sampler(self.learner.model, self.tokenizer.pad_token_id, [], tokenizer=self.tokenizer)
+        # Tinker's sampler ends a reply at the model's EOS as well as at the request's stop
+        # sequences: role_colon's parse_response expects both ("terminated_with_eos").
+        self.sampler = Sampler(self.learner.model, self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id],
+                               tokenizer=self.tokenizer)
         self.generator = torch.Generator().manual_seed(seed)
         self.prompts: dict[int, list[list[int]]] = {}
 

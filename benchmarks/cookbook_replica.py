@@ -90,12 +90,14 @@ def reward(reply: str, reached_stop: bool, x: int, y: int) -> float:
 class Settings:
     """The recipe's knobs (its chz names) that the replica honours."""
 
-    groups_per_batch: int = 16
+    groups_per_batch: int = 8
     group_size: int = 8
-    max_tokens: int = 8
-    learning_rate: float = 1e-3
+    max_tokens: int = 4
+    learning_rate: float = 5e-4
     lora_rank: int = 8
     temperature: float = 1.0
+    stop_at_eos: bool = True
+    """End a reply at the tokenizer's EOS (Tinker's sampler does); False: only at the stop sequence."""
 
 
 class Replica:
@@ -118,8 +120,8 @@ class Replica:
         self.learner = Learner(base, cfg, self.tokenizer.pad_token_id, init_seed=seed)
         # Tinker's sampler ends a reply at the model's EOS as well as at the request's stop
         # sequences: role_colon's parse_response expects both ("terminated_with_eos").
-        self.sampler = Sampler(self.learner.model, self.tokenizer.pad_token_id, [self.tokenizer.eos_token_id],
-                               tokenizer=self.tokenizer)
+        eos = [self.tokenizer.eos_token_id] if settings.stop_at_eos else []
+        self.sampler = Sampler(self.learner.model, self.tokenizer.pad_token_id, eos, tokenizer=self.tokenizer)
         self.generator = torch.Generator().manual_seed(seed)
         self.prompts: dict[int, list[list[int]]] = {}
 
@@ -181,7 +183,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--show", type=int, default=0, help="print this many replies of each step")
     for f, v in vars(Settings()).items():
-        parser.add_argument(f"--{f.replace('_', '-')}", type=type(v), default=v)
+        if isinstance(v, bool):
+            parser.add_argument(f"--{f.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=v)
+        else:
+            parser.add_argument(f"--{f.replace('_', '-')}", type=type(v), default=v)
     args = parser.parse_args()
     import torch
 

@@ -42,7 +42,7 @@ API_KEY = "tml-tinker-pipelines-bench"
 
 RL_SETTINGS = {
     "env": "arithmetic", "loss_fn": "importance_sampling", "renderer_name": "role_colon",
-    "lora_rank": 8, "groups_per_batch": 8, "group_size": 8, "max_tokens": 8, "learning_rate": 2e-3,
+    "lora_rank": 8, "groups_per_batch": 8, "group_size": 8, "max_tokens": 4, "learning_rate": 5e-4,
     "temperature": 1.0, "eval_every": 0, "save_every": 0,
 }
 """`math_rl` on SmolLM2-135M on a 2-core CPU (docs/tinker.md says why each value)."""

@@ -48,7 +48,7 @@ from benchmarks import cookbook_runs as cr
 
 PARTS = ("rl", "sl", "api", "concurrent")
 RL_STEPS = 40
-"""Recipe steps of the rl part: ~30 minutes here at `RL_SETTINGS` (docs/tinker.md)."""
+"""Recipe steps of the rl part (the arithmetic dataset has 100); stopped earlier by --rl-minutes."""
 RL_MINUTES = 30.0
 CONCURRENT_STEPS = 4
 API_STEPS = 3
@@ -104,20 +104,25 @@ def model_dir(work: Path, given: str | None) -> Path:
 
 # -- rl -----------------------------------------------------------------------------------
 def part_rl(mdir: Path, work: Path, steps: int, minutes: float) -> dict:
+    """The recipe for `steps` steps or `minutes`, whichever ends first: a run stopped by the time
+    limit is measured on the steps it logged (the issue's figure is the gain *within* 30 minutes)."""
     log = work / "rl" / "log"
     with service(mdir, work / "rl" / "home") as svc:
         argv = cr.math_rl_argv(mdir, svc.url, log, max_steps=steps)
         print("+ " + " ".join(argv), flush=True)
         run = cr.run_recipe(argv, cr.client_env(svc.url, runs_dir=work / "rl"), log, work / "rl" / "recipe.out",
-                            timeout_s=minutes * 60 + 120)
+                            timeout_s=minutes * 60)
     curve = cr.metric_curve(cr.read_metrics(log), cr.CORRECT_KEY) if (log / "metrics.jsonl").exists() else []
-    print(f"math_rl {cr.CORRECT_KEY} by step ({len(curve)} of {steps} steps, {run.seconds / 60:.1f} min):")
+    print(f"math_rl {cr.CORRECT_KEY} by step ({len(curve)} of {steps} steps, {run.seconds / 60:.1f} min"
+          f"{', stopped at the time limit' if run.timed_out else ''}):")
     print(cr.curve_line(curve), flush=True)
-    run.check("math_rl")
+    if not (run.timed_out and len(curve) >= 6):
+        run.check("math_rl")
     g = cr.gain(curve)
     print(f"gain (last 3 - first 3): {g:+.3f}  (goal >= 0.10 within {minutes:.0f} min, aim 0.20)")
     return {"cookbook_rl_gain": round(g, 4), "cookbook_rl_minutes": round(run.seconds / 60, 2),
-            "cookbook_rl_steps": len(curve), "cookbook_rl_curve": [round(v, 4) for _, v in curve]}
+            "cookbook_rl_steps": len(curve), "cookbook_rl_timed_out": run.timed_out,
+            "cookbook_rl_curve": [round(v, 4) for _, v in curve]}
 
 
 # -- sl -----------------------------------------------------------------------------------

@@ -111,7 +111,7 @@ def part_api(mdir: Path, work: Path, steps: int, service) -> dict:
     from tinker_pipelines.models import load_tokenizer
 
     tokenizer = load_tokenizer(str(mdir))
-    s = rep.Settings(**{k: cr.RL_SETTINGS[k] for k in vars(rep.Settings())})
+    s = rep.Settings(**{k: cr.RL_SETTINGS[k] for k in vars(rep.Settings()) if k in cr.RL_SETTINGS})
     problems = [p for i in range(steps) for p in rep.recipe_problems(i, s.groups_per_batch)]
     flat = rep.render_prompts(mdir, problems, cr.COOKBOOK_PYTHON)
     prompts = {i: flat[i * s.groups_per_batch:(i + 1) * s.groups_per_batch] for i in range(steps)}

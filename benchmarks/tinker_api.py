@@ -18,9 +18,9 @@ starts its own service on a free loopback port with a fresh home
   curve is the recipe's own `env/all/correct` from its `metrics.jsonl`; the gain is the mean of
   the last 3 steps minus the first 3. Goal: >= 0.10 within 30 minutes, aiming for 0.20.
 - sl: `recipes.chat_sl.train` on the cookbook's `example_data/conversations.jsonl`: its
-  `train_mean_nll` falls, and its final checkpoint is answered by the OpenAI endpoint (the
-  service lists it in `/v1/models` under its `tinker://` path) and exports as a PEFT directory
-  that `PeftModel.from_pretrained` loads.
+  `train_mean_nll` falls, and its final checkpoint (registered by the service: its checkpoint
+  listing names the `MODEL/VERSION`) is answered by the OpenAI endpoint and exports as a PEFT
+  directory that `PeftModel.from_pretrained` loads.
 - api: the recipe's RL steps (`cookbook_replica`: same problems, prompts, reward, datums) driven
   through the SDK and through our in-process learner and sampler, on the same datums (the SDK's
   samples), from the same LoRA seed: time ratio (goal <= 1.2) and losses equal within 1e-5 (fp32).
@@ -65,15 +65,22 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def service(model_dir: Path, home: Path, api_key: str = cr.API_KEY):
+def service(model_dir: Path, home: Path, api_key: str = cr.API_KEY, tracking: bool = False):
     """The Tinker service over `model_dir` on a free loopback port, stopped on the way out.
-    Yields the handle (`.url`, `.stop()`, `.worker_pid`)."""
+    Yields the handle (`.url`, `.stop()`, `.worker_pid`). With `tracking`, saved checkpoints are
+    registered in an MLflow registry under `home` (the OpenAI endpoint serves them from there)."""
     try:
         from tinker_pipelines.serving.tinker.launch import start_service
     except ImportError as e:
         raise BenchError(f"the Tinker service is not in this checkout (tinker_pipelines.serving.tinker.launch): {e}")
     home.mkdir(parents=True, exist_ok=True)
-    handle = start_service(model=str(model_dir), port=free_port(), home=home, api_key=api_key)
+    kwargs = {}
+    if tracking:
+        from tinker_pipelines.serving.tinker.lineage import TinkerTracker
+
+        os.environ["TINKER_HOME"] = str(home)  # registry_from_env: this home's MLflow and artifacts
+        kwargs["tracker"] = TinkerTracker.from_env()
+    handle = start_service(model=str(model_dir), port=free_port(), home=home, api_key=api_key, **kwargs)
     try:
         yield handle
     finally:
@@ -128,7 +135,7 @@ def part_rl(mdir: Path, work: Path, steps: int, minutes: float) -> dict:
 # -- sl -----------------------------------------------------------------------------------
 def part_sl(mdir: Path, work: Path, minutes: float) -> dict:
     log, home = work / "sl" / "log", work / "sl" / "home"
-    with service(mdir, home) as svc:
+    with service(mdir, home, tracking=True) as svc:
         argv = cr.chat_sl_argv(mdir, svc.url, log, cr.example_conversations())
         print("+ " + " ".join(argv), flush=True)
         run = cr.run_recipe(argv, cr.client_env(svc.url, runs_dir=work / "sl"), log, work / "sl" / "recipe.out",
@@ -164,25 +171,30 @@ def _get_json(url: str, body: dict | None = None, timeout_s: float = 300.0) -> d
 
 
 def openai_answer(url: str, tinker_path: str) -> tuple[str, str]:
-    """(the endpoint's model id for `tinker_path`, its reply to one chat message). The service
-    lists a saved checkpoint in `/v1/models` with its `tinker://` path as the id or as the
-    entry's `tinker_path`; the id is what the registry calls it (`MODEL/VERSION`)."""
-    models = _get_json(f"{url}/v1/models").get("data", [])
-    ids = [m.get("id") for m in models if tinker_path in (m.get("id"), m.get("tinker_path"))]
-    if not ids:
-        raise BenchError(f"{url}/v1/models lists no model for {tinker_path} (has: {[m.get('id') for m in models]})")
-    body = {"model": ids[0], "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    """(the registered `MODEL/VERSION` of checkpoint `tinker_path`, the OpenAI endpoint's reply to
+    one chat message with it). The service lists a training run's checkpoints
+    (`GET /api/v1/training_runs/{model_id}/checkpoints`, what the SDK's `RestClient` reads) with
+    the registered version in each entry's `user_metadata.registered_version`."""
+    model_id = tinker_path.removeprefix("tinker://").rsplit("/", 2)[0]
+    listing = _get_json(f"{url}/api/v1/training_runs/{model_id}/checkpoints")
+    entries = [c for c in listing.get("checkpoints", []) if c.get("tinker_path") == tinker_path]
+    if not entries:
+        raise BenchError(f"the service lists no checkpoint {tinker_path} for {model_id}")
+    ref = (entries[0].get("user_metadata") or {}).get("registered_version")
+    if not ref:
+        raise BenchError(f"checkpoint {tinker_path} was not registered (no user_metadata.registered_version)")
+    body = {"model": ref, "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "max_tokens": 16, "temperature": 0}
     reply = _get_json(f"{url}/v1/chat/completions", body)
     text = (reply.get("choices") or [{}])[0].get("message", {}).get("content")
     if not isinstance(text, str) or not text.strip():
-        raise BenchError(f"the OpenAI endpoint gave model {ids[0]} an empty answer: {str(reply)[:200]}")
-    return ids[0], text
+        raise BenchError(f"the OpenAI endpoint gave model {ref} an empty answer: {str(reply)[:200]}")
+    return ref, text
 
 
 def export_peft(ref: str, home: Path, out: Path) -> Path:
-    """Export the registered version `ref` from the service's registry and load its adapter
-    with plain PEFT; returns the adapter directory."""
+    """Export the registered version `ref` from the service's registry (under `home`) and load
+    its adapter with plain PEFT; returns the adapter directory."""
     os.environ["TINKER_HOME"] = str(home)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

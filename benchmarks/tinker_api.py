@@ -172,15 +172,18 @@ def _get_json(url: str, body: dict | None = None, timeout_s: float = 300.0) -> d
 
 def openai_answer(url: str, tinker_path: str) -> tuple[str, str]:
     """(the registered `MODEL/VERSION` of checkpoint `tinker_path`, the OpenAI endpoint's reply to
-    one chat message with it). The service lists a training run's checkpoints
-    (`GET /api/v1/training_runs/{model_id}/checkpoints`, what the SDK's `RestClient` reads) with
-    the registered version in each entry's `user_metadata.registered_version`."""
+    one chat message with it). The service names the registered version in a checkpoint entry's
+    `user_metadata.registered_version`: the training run's `last_checkpoint` /
+    `last_sampler_checkpoint` (`GET /api/v1/training_runs/{model_id}`) or its checkpoint listing."""
     model_id = tinker_path.removeprefix("tinker://").rsplit("/", 2)[0]
+    run = _get_json(f"{url}/api/v1/training_runs/{model_id}?access_scope=owned")
     listing = _get_json(f"{url}/api/v1/training_runs/{model_id}/checkpoints")
-    entries = [c for c in listing.get("checkpoints", []) if c.get("tinker_path") == tinker_path]
+    entries = [c for c in [run.get("last_checkpoint"), run.get("last_sampler_checkpoint"),
+                           *listing.get("checkpoints", [])] if c and c.get("tinker_path") == tinker_path]
     if not entries:
         raise BenchError(f"the service lists no checkpoint {tinker_path} for {model_id}")
-    ref = (entries[0].get("user_metadata") or {}).get("registered_version")
+    refs = [(c.get("user_metadata") or {}).get("registered_version") for c in entries]
+    ref = next((r for r in refs if r), None)
     if not ref:
         raise BenchError(f"checkpoint {tinker_path} was not registered (no user_metadata.registered_version)")
     body = {"model": ref, "messages": [{"role": "user", "content": "What is the capital of France?"}],

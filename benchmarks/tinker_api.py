@@ -19,8 +19,8 @@ starts its own service on a free loopback port with a fresh home
   the last 3 steps minus the first 3. Goal: >= 0.10 within 30 minutes, aiming for 0.20.
 - sl: `recipes.chat_sl.train` on the cookbook's `example_data/conversations.jsonl`: its
   `train_mean_nll` falls, and its final checkpoint (registered by the service: its checkpoint
-  listing names the `MODEL/VERSION`) is answered by the OpenAI endpoint and exports as a PEFT
-  directory that `PeftModel.from_pretrained` loads.
+  listing names the `MODEL/VERSION`) is answered by the OpenAI endpoint, and the registered
+  version's files load with `PeftModel.from_pretrained` on the base directory.
 - api: the recipe's RL steps (`cookbook_replica`: same problems, prompts, reward, datums) driven
   through the SDK and through our in-process learner and sampler, on the same datums (the SDK's
   samples), from the same LoRA seed: time ratio (goal <= 1.2) and losses equal within 1e-5 (fp32).
@@ -147,7 +147,7 @@ def part_sl(mdir: Path, work: Path, minutes: float) -> dict:
         final = cr.final_checkpoint(log)
         served_model, reply = openai_answer(svc.url, final["sampler_path"])
         print(f"OpenAI endpoint, model {served_model}: {reply!r}")
-    peft_dir = export_peft(served_model, home, work / "sl" / "export")
+    peft_dir = export_peft(served_model, home, mdir)
     print(f"PEFT directory {peft_dir} loads with PeftModel.from_pretrained")
     return {"cookbook_sl_loss_fell": fell, "cookbook_sl_served": True,
             "cookbook_sl_losses": [round(v, 4) for _, v in losses]}
@@ -195,23 +195,23 @@ def openai_answer(url: str, tinker_path: str) -> tuple[str, str]:
     return ref, text
 
 
-def export_peft(ref: str, home: Path, out: Path) -> Path:
-    """Export the registered version `ref` from the service's registry (under `home`) and load
-    its adapter with plain PEFT; returns the adapter directory."""
+def export_peft(ref: str, home: Path, mdir: Path) -> Path:
+    """The registered version `ref`'s files from the service's registry (under `home`, hashes
+    checked by the registry's fetch), loaded with plain PEFT on the base directory: a PEFT
+    adapter directory. Returns it."""
     os.environ["TINKER_HOME"] = str(home)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tinker_pipelines.serving.export import export_version
+    from tinker_pipelines.serving.registry import Registry, registry_from_env
 
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    export_version(ref, out, merged=False)
-    base = AutoModelForCausalLM.from_pretrained(str(out / "base"))
-    PeftModel.from_pretrained(base, str(out / "adapter"))
-    return out / "adapter"
+    registry = Registry(*registry_from_env())
+    name, version = registry.resolve(ref)
+    adapter = Path(registry.fetch(name, version).path)
+    if not (adapter / "adapter_config.json").is_file():
+        raise BenchError(f"{ref} ({adapter}) is not a PEFT directory: no adapter_config.json")
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(mdir)), str(adapter))
+    return adapter
 
 
 # -- concurrent -----------------------------------------------------------------------------
@@ -275,9 +275,15 @@ def main(argv: list[str] | None = None) -> int:
             for part in parts:
                 print(f"\n== {part}", flush=True)
                 result.update(run_part(part, mdir, work, args))
-        except (BenchError, cr.RecipeError, ValueError, OSError) as e:
+        except (BenchError, cr.RecipeError) as e:
             print(json.dumps(result))
             print(f"error: part {part if 'part' in locals() else 'setup'}: {e}", file=sys.stderr)
+            return 1
+        except Exception as e:  # the service's and the libraries' own errors: one line all the same
+            print(json.dumps(result))
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            print(f"error: part {part if 'part' in locals() else 'setup'}: {type(e).__name__}: {first}",
+                  file=sys.stderr)
             return 1
     print(json.dumps(result))
     return 0

@@ -2,7 +2,8 @@
 `tinker-pipelines worker --model NAME`: a resident device worker hosting many experiments' adapters;
 `tinker-pipelines serve [MODEL@ALIAS ...]`: an OpenAI-compatible endpoint over the base and registered adapters;
 `tinker-pipelines export SOURCE --out DIR`: an adapter as a PEFT directory, its base and merged weights;
-`tinker-pipelines tinker serve --model NAME`: Tinker's API for the tinker SDK and tinker-cookbook."""
+`tinker-pipelines tinker serve --model NAME`: Tinker's API for the tinker SDK and tinker-cookbook;
+`tinker-pipelines model-dir NAME --out DIR`: a catalogue model as a Hugging Face directory (for Tinker clients)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from tinker_pipelines.cli import models as models_cli
 from tinker_pipelines.cli.serving import cmd_export, cmd_serve
 from tinker_pipelines.cli.tinker import add_parser as add_tinker_parser
 from tinker_pipelines.cli.support import flags_named, one_line, parse_model_kwargs, warnings_as_lines
@@ -204,23 +206,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from tinker_pipelines.training.allocator import retain_freed_memory
-
-    retain_freed_memory()  # workers, training and serving sample and train in this process
-    warnings_as_lines()
-    parser = argparse.ArgumentParser(prog="tinker-pipelines", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="SFT warm start (if configured) then RL from one YAML config")
-    p.add_argument("config", help="path to the YAML config")
-    p.add_argument("--output-dir", help="override output_dir")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start over in an output_dir that holds an earlier run (deletes its checkpoints and metrics)")
-    p.add_argument("--worker", help="train on the resident worker listening at this socket (LoRA)")
-    p.add_argument("--traceback", action="store_true",
-                   help="on an error, raise it with its traceback instead of printing one line (debugging)")
-    p.set_defaults(func=cmd_train)
+def _add_worker_parser(sub) -> None:
     w = sub.add_parser("worker", help="a resident worker: one base model on one device, many experiments' adapters")
     w.add_argument("--model", default="tiny", help="catalog name or model directory (the base every adapter shares)")
     w.add_argument("--model-kwargs", default="", help="JSON builder arguments (for tiny: hidden_size, num_layers)")
@@ -250,6 +236,26 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--import", dest="imports", action="append", default=[],
                    help="import this module first (custom algorithms registered there); repeatable")
     w.set_defaults(func=cmd_worker)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tinker_pipelines.training.allocator import retain_freed_memory
+
+    retain_freed_memory()  # workers, training and serving sample and train in this process
+    warnings_as_lines()
+    parser = argparse.ArgumentParser(prog="tinker-pipelines", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="SFT warm start (if configured) then RL from one YAML config")
+    p.add_argument("config", help="path to the YAML config")
+    p.add_argument("--output-dir", help="override output_dir")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in an output_dir that holds an earlier run (deletes its checkpoints and metrics)")
+    p.add_argument("--worker", help="train on the resident worker listening at this socket (LoRA)")
+    p.add_argument("--traceback", action="store_true",
+                   help="on an error, raise it with its traceback instead of printing one line (debugging)")
+    p.set_defaults(func=cmd_train)
+    _add_worker_parser(sub)
     s = sub.add_parser("serve", help="an OpenAI-compatible endpoint over the base model and registered adapters")
     s.add_argument("models", nargs="*", metavar="MODEL@ALIAS",
                    help="registered versions to load at start (MODEL@ALIAS, MODEL/VERSION); the first names the "
@@ -275,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--device", default="cpu", help="where to load the models for the check (cpu, cuda, cuda:N)")
     e.set_defaults(func=cmd_export)
     add_tinker_parser(sub)
+    models_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command in ("serve", "worker", "tinker"):
         # A compute thread beside request threads: libgomp's default lets torch's idle OpenMP

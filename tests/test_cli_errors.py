@@ -338,3 +338,18 @@ def test_warnings_are_one_line_and_library_noise_is_dropped(finished_run, tmp_pa
     assert len(warned) == 1 and warned[0].startswith(f"warning: skipping {damaged}"), p.stderr
     for noise in ("UserWarning", "FutureWarning", "is_gradient_checkpointing", "warnings.warn"):
         assert noise not in p.stderr, p.stderr
+
+
+def test_tinker_serve_refuses_a_public_host_without_a_key(tmp_path, capsys):
+    home = str(tmp_path)
+    rc, err = main(["tinker", "serve", "--model", "tiny", "--host", "0.0.0.0", "--home", home], capsys)
+    assert rc == 2 and err.strip().splitlines() == [
+        "error: --host 0.0.0.0 is not loopback: without an API key this service accepts any key, so it only listens "
+        "on 127.0.0.1; set one with --api-key-env"]
+    rc, err = main(["tinker", "serve", "--model", "tiny", "--api-key-env", "NO_SUCH_VAR_HERE", "--home", home], capsys)
+    assert rc == 2 and err.strip().splitlines() == [
+        "error: --api-key-env NO_SUCH_VAR_HERE: that environment variable is empty or unset"]
+    rc, err = main(["tinker", "serve", "--model", "no-such-model", "--home", home], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "no-such-model" in err
+    rc, err = main(["tinker", "serve", "--model", "tiny", "--memory-gb", "0", "--home", home], capsys)
+    assert rc == 2 and err.strip() == "error: --memory-gb must be > 0, got 0.0"

@@ -69,10 +69,8 @@ def service(model_dir: Path, home: Path, api_key: str = cr.API_KEY, tracking: bo
     """The Tinker service over `model_dir` on a free loopback port, stopped on the way out.
     Yields the handle (`.url`, `.stop()`, `.worker_pid`). With `tracking`, saved checkpoints are
     registered in an MLflow registry under `home` (the OpenAI endpoint serves them from there)."""
-    try:
-        from tinker_pipelines.serving.tinker.launch import start_service
-    except ImportError as e:
-        raise BenchError(f"the Tinker service is not in this checkout (tinker_pipelines.serving.tinker.launch): {e}")
+    from tinker_pipelines.serving.tinker.launch import start_service
+
     home.mkdir(parents=True, exist_ok=True)
     kwargs = {}
     if tracking:

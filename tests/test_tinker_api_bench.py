@@ -4,9 +4,6 @@ learner."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +12,6 @@ from benchmarks import cookbook_replica as rep
 from benchmarks import tinker_api
 from benchmarks import tinker_api_steps as steps
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_recipe_datums_in_the_sdks_types():

@@ -112,8 +112,11 @@ class Replica:
 
         self.s, self.model_dir, self.cookbook_python, self.seed = settings, str(model_dir), cookbook_python, seed
         base, self.tokenizer = load_model(self.model_dir)
-        cfg = LearnerConfig(mode="lora", learning_rate=settings.learning_rate, lora_rank=settings.lora_rank,
-                            lora_alpha=32.0, betas=(0.9, 0.95), grad_clip=0.0,
+        from tinker_pipelines.training.rules import tinker_lora_settings
+
+        # the adapter a Tinker client gets for `rank` with the SDK's defaults (lm_head included)
+        lora, _ = tinker_lora_settings({"rank": settings.lora_rank})
+        cfg = LearnerConfig(**lora, learning_rate=settings.learning_rate, betas=(0.9, 0.95), grad_clip=0.0,
                             temperature=settings.temperature,
                             # one pass over the step's datums, as a Tinker forward_backward call is
                             micro_batch_size=settings.groups_per_batch * settings.group_size)

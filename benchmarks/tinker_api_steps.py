@@ -75,34 +75,22 @@ def sdk_steps(url: str, mdir: Path, s: rep.Settings, prompts: dict, steps: int, 
     return {"losses": losses, "datums": datums_by_step, "seconds": seconds}
 
 
-def tinker_is_loss(logprobs_BT, batch, cfg):
-    """Tinker's `importance_sampling` (a sum over tokens) as a learner loss: the mean over the
-    weighted tokens, whose gradient is the sum's divided by a constant (Adam's step is the same
-    to its eps); reports the sum as `loss_sum`."""
-    from tinker_pipelines.algorithms.tinker_losses import importance_sampling
-
-    w_BT = batch.weights_BT > 0
-    loss_sum, _ = importance_sampling(logprobs_BT[w_BT], batch.behaviour_logprobs_BT[w_BT], batch.advantages_BT[w_BT])
-    return loss_sum / w_BT.sum().clamp(min=1), {"loss_sum": loss_sum.item()}
-
-
-tinker_is_loss.normalization = "token"
-
-
 def inprocess_steps(mdir: Path, s: rep.Settings, prompts: dict, sdk_datums: list, seed: int) -> dict:
-    """The same steps on an in-process `Learner` and `Sampler`, training on the SDK's datums."""
-    from tinker_pipelines.algorithms.losses import LossConfig
+    """The same steps on an in-process `Learner` and `Sampler`, training on the SDK's datums with
+    the same Tinker loss (`Learner.tinker_forward_backward`) and Adam settings."""
+    from tinker_pipelines.algorithms.tinker_losses import tinker_loss
 
     r = rep.Replica(mdir, s, cr.COOKBOOK_PYTHON, seed)
-    for g in r.learner.optimizer.param_groups:
-        g["eps"] = 1e-12  # Tinker's AdamParams default
+    loss = tinker_loss("importance_sampling")
+    adam = {"learning_rate": s.learning_rate, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+            "grad_clip_norm": 0.0}
     losses, t0 = [], time.perf_counter()
     for i, datums in enumerate(sdk_datums):
         rows = [p for p in prompts[i] for _ in range(s.group_size)]
         r.sampler.sample(rows, s.max_tokens, s.temperature, r.generator, stop=(rep.STOP,))
-        metrics = r.learner.forward_backward(datums, tinker_is_loss, LossConfig())
-        r.learner.optim_step()
-        losses.append(float(metrics["loss_sum"]))
+        _, metrics = r.learner.tinker_forward_backward(datums, loss)
+        r.learner.optim_step(adam)
+        losses.append(float(metrics["loss:sum"]))
     return {"losses": losses, "seconds": time.perf_counter() - t0}
 
 

@@ -21,6 +21,8 @@ from tinker_pipelines.serving.tinker.launch import start_service
 from tinker_pipelines.serving.tinker.runtime import LoraShape
 from tinker_pipelines.models import load_model
 
+pytestmark = pytest.mark.e2e  # a worker process and an HTTP service
+
 KEY = "tml-test-key"
 THREADS = str(torch.get_num_threads())
 

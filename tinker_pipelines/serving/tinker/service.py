@@ -398,7 +398,7 @@ class Service:
         s = self.session(req.session_id or "")
         if req.model_seq_id is None:
             raise Invalid("load_weights without a model_id needs a model_seq_id (create-by-load)", "model_seq_id")
-        meta = json.loads((d / "record.json").read_text()).get("record", {}).get("tinker") or self._meta(src_model)
+        meta = self.checkpoint_meta(src_model, d)
         base = self.check_base(req.base_model or meta["base_model"])
         lora = LoraShape(**meta["lora"])
         model_id = f"{s.session_id}:train:{req.model_seq_id}"
@@ -438,7 +438,7 @@ class Service:
             self.samplers[sid] = Sampler(sid, self.check_base(req.base_model), None, BASE_ADAPTER)
             return sid
         model_id, _, _, d = self.resolve(req.model_path, "model_path")
-        meta = json.loads((d / "record.json").read_text()).get("record", {}).get("tinker") or self._meta(model_id)
+        meta = self.checkpoint_meta(model_id, d)
         adapter = await asyncio.to_thread(self.runtime.load_for_sampling, d)
         self.samplers[sid] = Sampler(sid, meta["base_model"], req.model_path, adapter)
         return sid
@@ -475,6 +475,11 @@ class Service:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(m.meta()))
         tmp.replace(path)
+
+    def checkpoint_meta(self, model_id: str, d: Path) -> dict[str, Any]:
+        """The training client's metadata as checkpoint `d` of `model_id` recorded it at save
+        (base, LoRA shape, user metadata), else as the service keeps it for that model."""
+        return json.loads((d / "record.json").read_text()).get("record", {}).get("tinker") or self._meta(model_id)
 
     def _meta(self, model_id: str) -> dict[str, Any]:
         if model_id in self.models:

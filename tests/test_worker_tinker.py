@@ -179,7 +179,7 @@ def test_bf16_worker_tinker_steps_equal_the_in_process_bf16_learner(address_bf16
     assert got[0][1][1]["loss:sum"] < got[0][0][1]["loss:sum"]
 
 
-def test_lora_config_on_a_worker_unembed_decodes_apart_and_a_rank_too_large_is_named(address):
+def test_lora_config_on_a_worker_unembed_decodes_in_the_mixed_batch_and_a_rank_too_large_is_named(address):
     from tinker_pipelines.training.rules import tinker_lora_settings
     from tinker_pipelines.worker.client import sample_call
 
@@ -196,7 +196,7 @@ def test_lora_config_on_a_worker_unembed_decodes_apart_and_a_rank_too_large_is_n
     clients = [c, other]
     calls = [sample_call(n, [[5, 9, 12]], 5, 1.0, torch.Generator().manual_seed(k))
              for k, n in enumerate(("unembed", "body2"))]
-    before = c.stats()["unembed_alone"]
+    before = c.stats()
     together: list = [None, None]
 
     def run(k):
@@ -207,7 +207,9 @@ def test_lora_config_on_a_worker_unembed_decodes_apart_and_a_rank_too_large_is_n
         t.start()
     for t in threads:
         t.join()
-    assert c.stats()["unembed_alone"] == before + 1  # the cycle's batch decoded the unembed adapter apart
+    after = c.stats()  # the cycle's one batch decoded both adapters, the unembed one included
+    assert (after["mixed_batches"], after["mixed_batch_errors"]) == (before["mixed_batches"] + 1,
+                                                                     before["mixed_batch_errors"])
     assert together[0] == c.sample(calls[0]).samples and together[1] == other.sample(calls[1]).samples
     with pytest.raises(WorkerError, match=r"lora_rank 128 \(a Tinker client's lora_config.rank\); this worker hosts "
                                           r"ranks up to 64"):

@@ -203,11 +203,8 @@ class LeanLlamaDecoder:
     def _fuse_weights(self) -> list[tuple] | None:
         fused = []
         base_only = self.base_only or bool(self.unmerged)  # the adapters are added per row (`RowAdapters`)
-        # An adapter on the embedding or the output layer cannot run per row here. A base-only
-        # decoder takes the output layer's base weight: its adapters with LoRA there decode
-        # apart (`Sampler._unembed_alone`), the others still share it.
-        head_lora = getattr(self.lm_head, "lora_A", {})
-        if base_only and (type(self.embed) is not torch.nn.Embedding or (self.unmerged and self.unmerged in head_lora)):
+        # An adapter on the embedding cannot run per row here (the output layer's can: `_head`).
+        if base_only and type(self.embed) is not torch.nn.Embedding:
             return None
         self.groups = []
         for layer in self.layers:
@@ -229,6 +226,8 @@ class LeanLlamaDecoder:
         if head is None or type(self.norm).__name__ != "LlamaRMSNorm":
             return None
         self.head = head
+        # the output layer is the adapters' last "layer", of one group (`_head`)
+        self.groups.append(([self.lm_head],))
         return fused
 
     @torch.inference_mode()
@@ -321,15 +320,12 @@ class LeanLlamaDecoder:
             h = h + self._lin(act(gate) * up, d_wb, li, 3)
         x = rms_norm(h[:, -1], self.norm.weight, self.norm.variance_epsilon)
         self._setup(mask_BL, positions_BL, max_new_tokens, x.dtype)
-        return blocked_linear(x, *self.head, invariant=self.invariant)
+        return self._head(x)
 
     def set_adapters(self, names: list[str | None], row_adapter: list[int]) -> bool:
         """Rows decode with adapter `names[row_adapter[i]]` (None: the bare base); base-only
-        decoders only. False, and nothing set, when an adapter is not a vanilla LoRA or has LoRA
-        on the output layer."""
+        decoders only. False, and nothing set, when an adapter is not a vanilla LoRA."""
         assert self.base_only and self.fused is not None
-        if any(n is not None and n in getattr(self.lm_head, "lora_A", {}) for n in names):
-            return False  # its output-layer delta is not added per row (`_fuse_weights`)
         self.adapters = RowAdapters.build(self.groups, names, row_adapter, self.invariant)
         return self.adapters is not None
 
@@ -395,7 +391,18 @@ class LeanLlamaDecoder:
             gate, up = self._lin(x, gu_wb, li, 2).split([inter, inter], dim=-1)
             h = h + self._lin(act(gate) * up, d_wb, li, 3)
         x = rms_norm(h[:, -1], self.norm.weight, self.norm.variance_epsilon)
-        return blocked_linear(x, *self.head, invariant=self.invariant)
+        return self._head(x)
+
+    def _head(self, x_BH: torch.Tensor) -> torch.Tensor:
+        """The output layer's logits `[B, V]`: the base weight once over every row, then each
+        row's own adapter delta where its adapter has LoRA there (Tinker's `train_unembed`, the
+        SDK's default). The delta is added after the base product as PEFT adds it (in the
+        adapters' dtype, rounded once: `add_delta_upcast`), so on CPU each adapter's products
+        are its own `invariant_linear`s and a row's logits do not depend on its batch."""
+        y_BV = blocked_linear(x_BH, *self.head, invariant=self.invariant)
+        if self.adapters is not None:
+            self.adapters.add_delta_upcast(y_BV, x_BH, len(self.layers), 0)
+        return y_BV
 
     def _step_modules(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                       col: int) -> torch.Tensor:

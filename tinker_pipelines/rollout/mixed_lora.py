@@ -78,11 +78,12 @@ class RowAdapters:
     def build(cls, groups: list[list[list[torch.nn.Module]]], names: list[str | None],
               row_adapter: list[int], invariant: bool = False) -> "RowAdapters | None":
         """Rows decode with adapter `names[row_adapter[i]]` (None: the bare base) over the
-        decoder's fused linear `groups` (per layer, 4 groups of modules); None when an adapter
-        is not a vanilla LoRA (`lora_factors`)."""
+        decoder's fused linear `groups` (per layer, its groups of modules: a decoder layer's 4,
+        then the output layer as one more "layer" of one group); None when an adapter is not a
+        vanilla LoRA (`lora_factors`)."""
         lora = []
         for name in names:
-            per_layer = [[lora_factors(g, name) for g in layer] if name is not None else [None] * 4
+            per_layer = [[lora_factors(g, name) for g in layer] if name is not None else [None] * len(layer)
                          for layer in groups]
             if any(f is False for layer in per_layer for f in layer):
                 return None
@@ -94,7 +95,8 @@ class RowAdapters:
         present = tuple(sorted(set(self.row_adapter)))
         if self._factors_for != present:  # rows finishing (`keep`) keep the set: only the masks change
             self._factors_for = present
-            self._factors = [[self._side_by_side(present, li, g) for g in range(4)] for li in range(len(self.lora[0]))]
+            self._factors = [[self._side_by_side(present, li, g) for g in range(len(per))]
+                             for li, per in enumerate(self.lora[0])]
         rows_B = torch.tensor(self.row_adapter)
         self._rows_B = rows_B
         self._masks = [[None if f is None or len(present) == 1 else self._mask(rows_B, f) for f in per]

@@ -89,10 +89,9 @@ class Sampler:
         self._lean: tuple[tuple, LeanLlamaDecoder] | None = None
         self._store: PromptStore | None = None
         self._mixed: tuple[tuple, LeanLlamaDecoder | None] | None = None
-        self.counts = {"mixed_batches": 0, "mixed_batch_errors": 0, "unembed_alone": 0}
-        """Batches of several requests `sample_each` decoded together, those that failed and
-        were rerun one request at a time (each logged with its cause), and batches of several
-        requests where some decoded apart because their adapter has output-layer LoRA (logged)."""
+        self.counts = {"mixed_batches": 0, "mixed_batch_errors": 0}
+        """Batches of several requests `sample_each` decoded together, and those that failed and
+        were rerun one request at a time (each logged with its cause)."""
         self.check_every: int | None = None
         """Decode steps between host checks for finished rows and stop strings (None: every step
         on a CPU, `DEVICE_CHECK_EVERY` elsewhere). Samples do not depend on it; a request's
@@ -157,12 +156,11 @@ class Sampler:
             named = [requests[i].adapter for i in live]
             decoder = self._mixed_decoder() if self.lean and LeanLlamaDecoder.supports(self.model) else None
             order = sorted(live, key=lambda i: named.index(requests[i].adapter))  # rows grouped by adapter
-            alone = self._unembed_alone(order, requests) if decoder is not None else []
-            mixed = [i for i in order if i not in alone]
+            mixed, alone = order, []
             try:
                 if decoder is None:
                     raise _NotHostable
-                results = self._decode([requests[i] for i in mixed], decoder, None, mixed=True) if mixed else []
+                results = self._decode([requests[i] for i in mixed], decoder, None, mixed=True)
             except _NotHostable:  # one adapter at a time through the model's own forward
                 mixed, alone, results = [], order, []
             for i in alone:
@@ -177,19 +175,6 @@ class Sampler:
         for i, res in zip(live, results):
             out[i] = res
         return out
-
-    def _unembed_alone(self, order: list[int], requests: list[SampleRequest]) -> list[int]:
-        """The requests whose adapter has LoRA on the output layer (Tinker's `train_unembed`):
-        the mixed decoder adds adapter deltas to the decoder layers only, so these decode one
-        adapter at a time (merged), each such batch logged and counted (`unembed_alone`)."""
-        head = getattr(unwrap_causal_lm(self.model).lm_head, "lora_A", {})
-        alone = [i for i in order if requests[i].adapter in head]
-        if alone and len(order) > 1:
-            self.counts["unembed_alone"] += 1
-            log.info("%d of %d sample requests decode apart from the mixed batch: adapter(s) %s have LoRA on "
-                     "the output layer", len(alone), len(order),
-                     ", ".join(sorted({str(requests[i].adapter) for i in alone})))
-        return alone
 
     def sample_each(self, requests: list[SampleRequest]) -> list[list[Sample] | Exception]:
         """`sample_requests` for requests of independent callers: each request's samples, or the

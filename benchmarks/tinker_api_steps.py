@@ -7,10 +7,15 @@ Each step, on both sides: sample the batch's groups (the recipe's problems and p
 seed (the SDK's `create_lora_training_client(seed=...)`; in-process `Learner(init_seed=...)`),
 with Tinker's Adam (beta2 0.95, eps 1e-12, no clipping, no weight decay).
 
+The SDK side samples as the recipe's completer does (`tinker_cookbook/completers.py`): one
+unseeded `sample` call per row (num_samples 1), all of a step's calls in flight together; the
+in-process side samples every row in one call.
+
 So that the losses can be compared exactly, the in-process side trains on the datums built from
 the SDK's samples (its own sampling still runs, on the same prompts and parameters, and is
-timed); the service must then give the same `loss:sum` at every step, within 1e-5 in fp32.
-`api_vs_inprocess` is the SDK side's time over the in-process side's (goal <= 1.2).
+timed); the service must then give the same `loss:sum` and the same per-token logprobs of every
+datum at every step, within 1e-5 in fp32. `api_vs_inprocess` is the SDK side's time over the
+in-process side's (goal <= 1.2).
 """
 
 from __future__ import annotations
@@ -56,23 +61,25 @@ def sdk_steps(url: str, mdir: Path, s: rep.Settings, prompts: dict, steps: int, 
     os.environ.update(TINKER_API_KEY=cr.API_KEY, TINKER_TELEMETRY="0")
     service = tinker.ServiceClient(base_url=url, api_key=cr.API_KEY)
     trainer = service.create_lora_training_client(base_model=str(mdir), rank=s.lora_rank, seed=seed).result()
-    params = types.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, stop=[rep.STOP], seed=seed)
+    params = types.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, stop=[rep.STOP])
     adam = types.AdamParams(learning_rate=s.learning_rate, beta1=0.9, beta2=0.95, eps=1e-12)
-    losses, datums_by_step, t0 = [], [], time.perf_counter()
+    losses, logprobs, datums_by_step, t0 = [], [], [], time.perf_counter()
     for i in range(steps):
         sampler = trainer.save_weights_and_get_sampling_client().result()
-        futures = [sampler.sample(tinker.ModelInput.from_ints(p), s.group_size, params) for p in prompts[i]]
+        futures = [[sampler.sample(tinker.ModelInput.from_ints(p), 1, params) for _ in range(s.group_size)]
+                   for p in prompts[i]]
         datums = []
-        for p, (x, y), f in zip(prompts[i], rep.recipe_problems(i, s.groups_per_batch), futures):
-            seqs = [(q.tokens, q.logprobs, q.stop_reason == "stop") for q in f.result().sequences]
+        for p, (x, y), fs in zip(prompts[i], rep.recipe_problems(i, s.groups_per_batch), futures):
+            seqs = [(q.tokens, q.logprobs, q.stop_reason == "stop") for f in fs for q in f.result().sequences]
             datums += group_datums(p, seqs, x, y, tokenizer)
         out = trainer.forward_backward([to_sdk_datum(d) for d in datums], "importance_sampling").result()
         trainer.optim_step(adam).result()
         losses.append(float(out.metrics["loss:sum"]))
+        logprobs.append([o["logprobs"].tolist() for o in out.loss_fn_outputs])
         datums_by_step.append(datums)
     seconds = time.perf_counter() - t0
     service.close("success").result()
-    return {"losses": losses, "datums": datums_by_step, "seconds": seconds}
+    return {"losses": losses, "logprobs": logprobs, "datums": datums_by_step, "seconds": seconds}
 
 
 def inprocess_steps(mdir: Path, s: rep.Settings, prompts: dict, sdk_datums: list, seed: int) -> dict:
@@ -84,14 +91,15 @@ def inprocess_steps(mdir: Path, s: rep.Settings, prompts: dict, sdk_datums: list
     loss = tinker_loss("importance_sampling")
     adam = {"learning_rate": s.learning_rate, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
             "grad_clip_norm": 0.0}
-    losses, t0 = [], time.perf_counter()
+    losses, logprobs, t0 = [], [], time.perf_counter()
     for i, datums in enumerate(sdk_datums):
         rows = [p for p in prompts[i] for _ in range(s.group_size)]
         r.sampler.sample(rows, s.max_tokens, s.temperature, r.generator, stop=(rep.STOP,))
-        _, metrics = r.learner.tinker_forward_backward(datums, loss)
+        lps, metrics = r.learner.tinker_forward_backward(datums, loss)
         r.learner.optim_step(adam)
         losses.append(float(metrics["loss:sum"]))
-    return {"losses": losses, "seconds": time.perf_counter() - t0}
+        logprobs.append([[float(v) for v in lp] for lp in lps])
+    return {"losses": losses, "logprobs": logprobs, "seconds": time.perf_counter() - t0}
 
 
 def part_api(mdir: Path, work: Path, steps: int, service) -> dict:
@@ -107,11 +115,26 @@ def part_api(mdir: Path, work: Path, steps: int, service) -> dict:
         sdk = sdk_steps(svc.url, mdir, s, prompts, steps, seed=0, tokenizer=tokenizer)
     local = inprocess_steps(mdir, s, prompts, sdk["datums"], seed=0)
     diffs = [abs(a - b) for a, b in zip(sdk["losses"], local["losses"])]
+    lp_diffs = [logprob_diff(a, b) for a, b in zip(sdk["logprobs"], local["logprobs"])]
     ratio = sdk["seconds"] / local["seconds"]
-    print(f"{'step':>6}{'SDK loss:sum':>16}{'in-process':>16}{'|diff|':>10}")
-    for i, (a, b, d) in enumerate(zip(sdk["losses"], local["losses"], diffs)):
-        print(f"{i:>6}{a:>16.6f}{b:>16.6f}{d:>10.1e}")
+    print(f"{'step':>6}{'SDK loss:sum':>16}{'in-process':>16}{'|diff|':>10}{'logprobs |diff|':>18}")
+    for i, (a, b, d, e) in enumerate(zip(sdk["losses"], local["losses"], diffs, lp_diffs)):
+        print(f"{i:>6}{a:>16.6f}{b:>16.6f}{d:>10.1e}{e:>18.1e}")
     print(f"{steps} steps: SDK {sdk['seconds']:.1f} s, in-process {local['seconds']:.1f} s, ratio {ratio:.2f} "
           "(goal <= 1.2)")
-    return {"api_vs_inprocess": round(ratio, 3), "api_losses_equal": bool(max(diffs) <= LOSS_TOLERANCE),
-            "api_max_loss_diff": max(diffs)}
+    equal = max(diffs) <= LOSS_TOLERANCE and max(lp_diffs) <= LOSS_TOLERANCE
+    return {"api_vs_inprocess": round(ratio, 3), "api_losses_equal": bool(equal),
+            "api_max_loss_diff": max(diffs), "api_max_logprob_diff": max(lp_diffs)}
+
+
+def logprob_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    """Largest |difference| of two steps' per-datum, per-token logprobs (inf where their shapes differ).
+
+    >>> logprob_diff([[-1.0, -2.0]], [[-1.0, -2.5]])
+    0.5
+    >>> logprob_diff([[-1.0]], [[-1.0, -2.0]])
+    inf
+    """
+    if len(a) != len(b) or any(len(x) != len(y) for x, y in zip(a, b)):
+        return float("inf")
+    return max((abs(u - v) for x, y in zip(a, b) for u, v in zip(x, y)), default=0.0)

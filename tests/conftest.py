@@ -41,15 +41,28 @@ def small_run(tmp_path_factory):
     """One plain-loop run of `dagster_env.SMALL` (the suite's small seeded config), trained once
     for the session: (its output_dir, its deterministic metrics per iteration). Tests that need
     this run's numbers as a reference read them here instead of training it again; they must not
-    write under its output_dir."""
+    write under its output_dir. Under pytest-xdist the session's processes share one run: the
+    first to get here trains it, the others wait on a lock and read its metrics (JSON keeps
+    every float exact)."""
+    import json
+    import os
+
     from dagster_env import SMALL
+    from filelock import FileLock
 
     from tinker_pipelines.config import config_from_dict
     from tinker_pipelines.loops.train import deterministic_metrics, train
 
-    out = tmp_path_factory.mktemp("small_run") / "run"
-    metrics = [deterministic_metrics(m) for m in train(config_from_dict({**SMALL, "output_dir": str(out)}))]
-    return out, metrics
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        out = tmp_path_factory.mktemp("small_run") / "run"
+        return out, [deterministic_metrics(m) for m in train(config_from_dict({**SMALL, "output_dir": str(out)}))]
+    shared = tmp_path_factory.getbasetemp().parent  # this session's, above each process's own
+    out, done = shared / "small_run" / "run", shared / "small_run" / "metrics.json"
+    with FileLock(str(shared / "small_run.lock")):
+        if not done.exists():
+            metrics = [deterministic_metrics(m) for m in train(config_from_dict({**SMALL, "output_dir": str(out)}))]
+            done.write_text(json.dumps(metrics))
+    return out, json.loads(done.read_text())
 
 
 @contextlib.contextmanager

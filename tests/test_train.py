@@ -14,7 +14,7 @@ from tinker_pipelines.loops.train import Experiment, deterministic_metrics, trai
 
 
 def test_same_seed_gives_identical_metrics(tmp_path, small_run):
-    runs = [small_run[1]]  # the session's run of SMALL, in another directory, earlier in this process
+    runs = [small_run[1]]  # the session's run of SMALL, in another directory (and process, under xdist)
     cfg = config_from_dict({**SMALL, "output_dir": str(tmp_path / "b")})
     runs.append([deterministic_metrics(m) for m in train(cfg)])
     assert runs[0] == runs[1]

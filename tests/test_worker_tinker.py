@@ -374,3 +374,15 @@ def test_runtime_snapshots_are_in_memory_copies_dropped_past_keep_snapshots(addr
     assert _sample(t.conn, names[2], [[5, 9, 12]], seed=3).samples == _sample(t.conn, t.adapter, [[5, 9, 12]],
                                                                                seed=3).samples
     t.close()
+
+
+def test_copy_adapter_refuses_a_full_parameter_experiment_naming_it():
+    from tinker_pipelines.models import stop_token_ids
+    from tinker_pipelines.worker.engine import Engine, EngineConfig, RequestError
+
+    model, tok = load_model("tiny", seed=0)
+    e = Engine(model, tok.pad_token_id, stop_token_ids(tok), "tiny", EngineConfig(exclusive=True))
+    e.create(1, "full", {"mode": "full"}, 0, "")
+    with pytest.raises(RequestError, match="adapter 'full' trains every parameter"):
+        e.copy_adapter(1, "full", "fullcopy")
+    assert set(e.hosted) == {"full"}

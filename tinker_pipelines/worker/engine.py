@@ -205,7 +205,7 @@ class Engine:
             raise
         copy.read_only = True
         copy.learner.steps = h.learner.steps
-        self.sampler.invalidate()
+        # no sampler.invalidate() beyond create's: copy_ bumps the version counters its fingerprint reads
         return {"steps": copy.learner.steps}
 
     def park(self, name: str, tag: str) -> None:

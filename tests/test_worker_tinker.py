@@ -302,3 +302,89 @@ def test_prompt_logprobs_base_sampling_and_a_read_only_checkpoint_sampler(addres
         _sample(c, "", [[5, 100000]])
     assert len(_sample(c, "ro", prompts, seed=2).samples) == 2  # still serving
     c.close()
+
+
+def _unembed_adapter(c, name, seed):
+    """A Tinker-shaped adapter (attention, MLP and lm_head LoRA), trained one step so that it
+    changes what the model samples."""
+    from tinker_pipelines.training.rules import tinker_lora_settings
+
+    fields, seed = tinker_lora_settings({"rank": 4, "seed": seed})
+    c.create(name, {**fields, "lora_targets": list(fields["lora_targets"]), "micro_batch_size": 2}, seed)
+    c.tinker_forward_backward(name, ce(), "cross_entropy", {}, False)
+    c.optim_step(name, ADAM)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_copied_adapter_samples_as_its_source_did_and_later_steps_leave_it(dtype, address, address_bf16):
+    c = WorkerClient(address if dtype == "float32" else address_bf16)
+    src, copy, prompts = f"cs{dtype}", f"cc{dtype}", [[5, 9, 12, 7], [6, 10]]
+    _unembed_adapter(c, src, 91)
+    before = _sample(c, src, prompts, seed=5, num_samples=2, prompt_logprobs=True)
+    forward = c.tinker_forward_backward(src, ce(), "cross_entropy", {}, True)[0]
+    assert c.copy_adapter(src, copy) == 1  # the source's optimizer steps
+    got = _sample(c, copy, prompts, seed=5, num_samples=2, prompt_logprobs=True)
+    assert got.samples == before.samples  # tokens and logprobs, exactly
+    assert [x[1:] for x in got.prompt_logprobs] == [x[1:] for x in before.prompt_logprobs]  # (the first is NaN)
+    assert c.tinker_forward_backward(copy, ce(), "cross_entropy", {}, True)[0] == forward
+    c.tinker_forward_backward(src, ce(), "cross_entropy", {}, False)
+    c.optim_step(src, ADAM)
+    assert _sample(c, src, prompts, seed=5, num_samples=2).samples != before.samples  # the source moved on
+    assert _sample(c, copy, prompts, seed=5, num_samples=2).samples == before.samples  # its copy did not
+    with pytest.raises(WorkerError, match=f"adapter '{copy}' is read-only"):
+        c.optim_step(copy, ADAM)
+    c.close()
+
+
+def test_copy_adapter_refusals_name_the_adapter_and_the_worker_serves_on(address):
+    c = WorkerClient(address)
+    _unembed_adapter(c, "crsrc", 92)
+    c.copy_adapter("crsrc", "crcopy")
+    other = WorkerClient(address)
+    other.create("crother", asdict(CFG), 93)
+    other.create("crparked", asdict(CFG), 94)
+    other.park("crparked", "tag")
+    refusals = [(c, "nope", "x1", "unknown adapter 'nope'"),
+                (other, "crsrc", "x2", "adapter 'crsrc' belongs to another client"),
+                (c, "crsrc", "crcopy", "adapter 'crcopy' already exists"),
+                (c, "crsrc", "crother", "adapter 'crother' already exists"),  # another client's
+                (c, "crsrc", "crparked", "adapter 'crparked' already exists"),  # parked: refused, not dropped
+                (c, "crsrc", "a.b", "adapter name 'a.b' is not allowed")]
+    for client, src, name, message in refusals:
+        with pytest.raises(WorkerError, match=message) as e:
+            client.copy_adapter(src, name)
+        assert "\n" not in str(e.value)
+    stats = c.stats()
+    assert not {"x1", "x2", "a.b"} & set(stats["adapters"]) and "crparked" in stats["parked"]
+    assert other.create("crparked", asdict(CFG), 94, claim="tag").claimed
+    other.close()
+    assert len(_sample(c, "crcopy", [[5, 9]], seed=1).samples) == 1  # still serving
+    c.close()
+
+
+def test_runtime_snapshots_are_in_memory_copies_dropped_past_keep_snapshots(address):
+    from tinker_pipelines.serving.tinker.runtime import LoraShape, Runtime
+
+    rt = Runtime(address, keep_snapshots=2)
+    rt.close()  # its shared connection is not used here; idle, it would hold every cycle for the batching window
+    t = rt.create(LoraShape(rank=4, seed=95), "")
+    rt.forward_backward(t, ce(), "cross_entropy", {}, False)
+    rt.optim_step(t, ADAM)
+    names = [rt.snapshot(t) for _ in range(3)]
+    adapters = set(t.conn.stats()["adapters"])
+    assert names[0] not in adapters and {t.adapter, *names[1:]} <= adapters and t.snapshots == names[1:]
+    assert _sample(t.conn, names[2], [[5, 9, 12]], seed=3).samples == _sample(t.conn, t.adapter, [[5, 9, 12]],
+                                                                               seed=3).samples
+    t.close()
+
+
+def test_copy_adapter_refuses_a_full_parameter_experiment_naming_it():
+    from tinker_pipelines.models import stop_token_ids
+    from tinker_pipelines.worker.engine import Engine, EngineConfig, RequestError
+
+    model, tok = load_model("tiny", seed=0)
+    e = Engine(model, tok.pad_token_id, stop_token_ids(tok), "tiny", EngineConfig(exclusive=True))
+    e.create(1, "full", {"mode": "full"}, 0, "")
+    with pytest.raises(RequestError, match="adapter 'full' trains every parameter"):
+        e.copy_adapter(1, "full", "fullcopy")
+    assert set(e.hosted) == {"full"}

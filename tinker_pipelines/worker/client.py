@@ -90,6 +90,12 @@ class WorkerClient:
         scoring only), shaped as its record says; returns the checkpoint's record."""
         return self.send(M.CreateSampler(name, str(Path(path).resolve()), base_name)).record  # type: ignore[attr-defined]
 
+    def copy_adapter(self, adapter: str, name: str) -> int:
+        """Host read-only adapter `name`, an in-memory copy of `adapter`'s LoRA weights as they
+        are now (sampling and scoring only; later steps of `adapter` leave it unchanged), held
+        by this connection; returns the optimizer steps the copied weights have had."""
+        return self.send(M.CopyAdapter(adapter, name)).steps  # type: ignore[attr-defined]
+
     def park(self, adapter: str, tag: str) -> None:
         self.send(M.Park(adapter, tag))
 

@@ -8,7 +8,7 @@ import math
 import resource
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -182,6 +182,31 @@ class Engine:
             raise
         self.hosted[name].read_only = True
         return record
+
+    def copy_adapter(self, owner: int, src: str, name: str) -> dict[str, Any]:
+        """Host read-only adapter `name` for client `owner`: a copy in memory of LoRA adapter
+        `src`'s weights as they are now (same rank, targets and dtype; its value head too), with
+        a fresh optimizer and generator, written nowhere. The tensors are copied, not shared, so
+        later optimizer steps of `src` do not change what `name` samples. The server has checked
+        that `owner` holds `src`."""
+        h = self.get(src)
+        if h.learner.cfg.mode != "lora":
+            raise RequestError(f"adapter {src!r} trains every parameter (mode 'full'): only a LoRA adapter can be "
+                               "copied")
+        if name in self.hosted:
+            raise RequestError(f"cannot copy adapter {src!r} to {name!r}: adapter {name!r} already exists on this "
+                               "worker")
+        self.create(owner, name, asdict(h.learner.cfg), 0, h.learner.base_name, h.algorithm)
+        copy = self.hosted[name]
+        try:
+            _copy_weights(h.learner, copy.learner)
+        except Exception:
+            self.drop(name)
+            raise
+        copy.read_only = True
+        copy.learner.steps = h.learner.steps
+        # no sampler.invalidate() beyond create's: copy_ bumps the version counters its fingerprint reads
+        return {"steps": copy.learner.steps}
 
     def park(self, name: str, tag: str) -> None:
         """Keep adapter `name` after its holder goes away, for a client that claims it with `tag`
@@ -447,6 +472,30 @@ class Engine:
                 "shared_pass_errors": self.shared_pass_errors, **self.sampler.counts,
                 "base": self.base, "device": str(self.device),
                 "peak_rss_mb": usage.ru_maxrss / 1024, "rss_mb": _rss_mb()}
+
+
+def _lora_tensors(learner: Learner) -> dict[str, torch.Tensor]:
+    """The learner's LoRA parameters by their names with its adapter's name left out."""
+    marker = f".{learner.adapter_name}."
+    return {n.replace(marker, ".", 1): p for n, p in learner.model.named_parameters() if "lora_" in n and marker in n}
+
+
+@torch.no_grad()
+def _copy_weights(src: Learner, dst: Learner) -> None:
+    """Write `src`'s LoRA weights (and value head) into `dst`, a learner of the same config on
+    the same model. A name, shape or dtype that differs is a bug, raised rather than cast: a copy
+    rounded to another dtype would not sample what `src` samples."""
+    theirs, ours = _lora_tensors(src), _lora_tensors(dst)
+    if set(theirs) != set(ours):
+        raise RuntimeError(f"adapter {dst.adapter_name!r} does not have adapter {src.adapter_name!r}'s LoRA tensors "
+                           f"(differing: {sorted(set(theirs) ^ set(ours))[:3]})")
+    for k, p in ours.items():
+        if p.shape != theirs[k].shape or p.dtype != theirs[k].dtype:
+            raise RuntimeError(f"{k}: {tuple(theirs[k].shape)} {theirs[k].dtype} in {src.adapter_name!r}, "
+                               f"{tuple(p.shape)} {p.dtype} in its copy {dst.adapter_name!r}")
+        p.copy_(theirs[k])
+    if src.value_head is not None:
+        dst.value_head.load_state_dict(src.value_head.state_dict())  # type: ignore[union-attr]
 
 
 def _peek_record(path: Path) -> dict[str, Any]:

@@ -38,6 +38,7 @@ class Op(str, enum.Enum):
     HELLO = "hello"
     CREATE = "create"
     CREATE_SAMPLER = "create_sampler"
+    COPY_ADAPTER = "copy_adapter"
     PARK = "park"
     DROP = "drop"
     STATS = "stats"
@@ -176,6 +177,13 @@ class CreateSampler(Request, frozen=True, tag=Op.CREATE_SAMPLER.value):
     base_name: str = ""  # the base it must have been trained on ('': whatever its record names)
 
 
+class CopyAdapter(AdapterRequest, frozen=True, tag=Op.COPY_ADAPTER.value):
+    """Host read-only adapter `name`, a copy in memory of `adapter`'s LoRA weights as they are
+    now (no optimizer state, nothing written to disk); later steps of `adapter` leave it as it is."""
+
+    name: str
+
+
 class Park(AdapterRequest, frozen=True, tag=Op.PARK.value):
     tag: str
 
@@ -292,6 +300,10 @@ class CreateReply(Reply, frozen=True, tag=Op.CREATE.value):
 
 class CreateSamplerReply(Reply, frozen=True, tag=Op.CREATE_SAMPLER.value):
     record: dict[str, Any]  # the checkpoint's
+
+
+class CopyAdapterReply(Reply, frozen=True, tag=Op.COPY_ADAPTER.value):
+    steps: int  # the optimizer steps the copied weights have had
 
 
 class ParkReply(Reply, frozen=True, tag=Op.PARK.value):

@@ -329,6 +329,7 @@ class WorkerServer:
             Op.CREATE: lambda c, r: M.CreateReply(**e.create(c, r.name, r.learner, r.seed, r.base_name,
                                                               r.algorithm, r.claim)),
             Op.CREATE_SAMPLER: lambda c, r: M.CreateSamplerReply(e.create_sampler(c, r.name, r.path, r.base_name)),
+            Op.COPY_ADAPTER: lambda c, r: M.CopyAdapterReply(**e.copy_adapter(c, r.adapter, r.name)),
             Op.PARK: park,
             Op.DROP: drop,
             Op.STATS: lambda c, r: M.StatsReply(e.stats()),

@@ -116,8 +116,7 @@ def build_app(model: str, worker_address: Path, home: Path, settings: TinkerSett
     """The app: the OpenAI endpoint over the worker, with Tinker's routes added."""
     from tinker_pipelines.serving.app import build_app as build_openai_app
 
-    runtime = Runtime(worker_address, home / "scratch")
-    (home / "scratch").mkdir(parents=True, exist_ok=True)
+    runtime = Runtime(worker_address)
     service = Service(runtime, model, home, tracker=tracker, gap_timeout_s=gap_timeout_s,
                       base_aliases=base_aliases(model), max_lora_rank=max_lora_rank)
     server = build_server(model=model, worker=str(worker_address), use_registry=tracker is not None)

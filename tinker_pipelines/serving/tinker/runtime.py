@@ -11,8 +11,6 @@ adapters). Every method here blocks; the service calls them from worker threads.
 from __future__ import annotations
 
 import itertools
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,9 +63,8 @@ class Trainer:
 class Runtime:
     """The worker at `address` (already running), as the Tinker service uses it."""
 
-    def __init__(self, address: str | Path, scratch: Path, keep_snapshots: int = 2):
+    def __init__(self, address: str | Path, keep_snapshots: int = 2):
         self.address = str(address)
-        self.scratch = scratch
         self.keep_snapshots = keep_snapshots
         """Ephemeral sampler adapters kept per client: a sampler made two saves ago may still be sampling."""
         probe = WorkerClient(self.address)
@@ -104,15 +101,11 @@ class Runtime:
         return t.conn.load_state(t.adapter, str(path), optimizer=optimizer)
 
     def snapshot(self, t: Trainer) -> str:
-        """A read-only copy of the client's adapter as it is now (an ephemeral sampler): later
-        optimizer steps do not change what it samples."""
-        tmp = Path(tempfile.mkdtemp(dir=self.scratch))
-        try:
-            t.conn.save_state(t.adapter, str(tmp / "s"))
-            name = _adapter_name("s")
-            t.conn.create_sampler(name, str(tmp / "s"))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        """A read-only copy of the client's adapter as it is now (an ephemeral sampler), made in
+        the worker's memory (`WorkerClient.copy_adapter`: no checkpoint written or read): later
+        optimizer steps do not change what it samples. The oldest beyond `keep_snapshots` is dropped."""
+        name = _adapter_name("s")
+        t.conn.copy_adapter(t.adapter, name)
         t.snapshots.append(name)
         while len(t.snapshots) > self.keep_snapshots:
             old = t.snapshots.pop(0)

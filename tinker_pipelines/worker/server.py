@@ -6,7 +6,8 @@ deadline, so a silent or unauthenticated client never blocks the others. The com
 takes the first pending request, then waits up to `window_s` for every other connected client
 to have one pending too (Tinker's clock cycle): the `sample` calls of that cycle decode as one
 mixed-adapter batch and its `forward_backward` calls share base passes (`Engine`). With
-`TINKER_WORKER_TRACE=1` in its environment the worker logs each cycle's duration and requests.
+`TINKER_WORKER_TRACE=1` in its environment the worker logs each cycle's duration and requests,
+and its resident memory after the cycle and at its peak so far (MB).
 
 Experiments drift out of step: once one trains while another samples, every later cycle mixes a
 few samples with other clients' training calls, and the mixed batches stay small (`benchmarks.
@@ -242,8 +243,10 @@ class WorkerServer:
                 ops = tuple(_label(i) for i in batch)
                 self.cycles.append(ops)
                 if os.environ.get("TINKER_WORKER_TRACE"):
+                    rss, peak = _resident_mb()
                     print(f"worker: {time.perf_counter() - t0:.3f}s {','.join(ops)}"
-                          + (f" (holding {len(held)} samples)" if held else ""), file=self.log, flush=True)
+                          + (f" (holding {len(held)} samples)" if held else "")
+                          + f" rss {rss:.0f} peak {peak:.0f}", file=self.log, flush=True)
             except Exception as e:  # a bug must not kill the worker: report it to the callers
                 traceback.print_exc(file=self.log)
                 for item in batch:
@@ -441,3 +444,16 @@ def _send(conn, message: M.Reply) -> bool:
         return True
     except (OSError, ValueError):
         return False
+
+
+def _resident_mb() -> tuple[float, float]:
+    """This process's resident memory now and at its peak (VmRSS, VmHWM), MB; zeros where /proc is missing."""
+    found = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    found[line[:5]] = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return found.get("VmRSS", 0.0), found.get("VmHWM", 0.0)

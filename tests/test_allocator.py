@@ -50,3 +50,68 @@ def test_threads_share_the_main_heap(setting, arenas):
         env["TINKER_MALLOC"] = setting
     err = subprocess.run([sys.executable, "-c", ARENAS], env=env, capture_output=True, text=True, check=True).stderr
     assert sum(line.startswith("Arena ") for line in err.splitlines()) == arenas, err
+
+
+RELEASE = """
+import torch
+from tinker_pipelines.training.allocator import free_heap_bytes, release_free_memory, retain_freed_memory
+def rss_mb():
+    return next(int(l.split()[1]) // 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
+assert retain_freed_memory()
+kept = [torch.ones(1 << 20) for _ in range(256)]  # 1 GiB in 4 MiB buffers: from the heap
+del kept
+before = rss_mb()
+small = release_free_memory(at_least=8 << 30)  # less free than that: left alone
+after_small = rss_mb()
+given = release_free_memory(at_least=64 << 20)
+print(before, small, after_small, given >> 20, rss_mb())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim exists on Linux only")
+def test_free_heap_goes_back_to_the_kernel_only_past_the_threshold():
+    """Freed buffers the kept heap holds are resident until `release_free_memory` gives them back;
+    below its threshold it does nothing."""
+    env = {k: v for k, v in os.environ.items() if k != "TINKER_MALLOC"}
+    out = subprocess.run([sys.executable, "-c", RELEASE], env=env, capture_output=True, text=True, check=True).stdout
+    before, small, after_small, given_mb, after = (int(x) for x in out.split())
+    assert small == 0 and after_small > before - 64, out  # nothing given back below the threshold
+    assert given_mb >= 1000, out  # it found the freed GiB
+    assert after < before - 900, out  # and the kernel got it back
+
+
+WORKER_CYCLE = """
+from dataclasses import asdict
+import torch
+from tinker_pipelines.models import load_model, stop_token_ids
+from tinker_pipelines.training.allocator import retain_freed_memory
+from tinker_pipelines.training.learner import LearnerConfig
+from tinker_pipelines.types import Datum
+from tinker_pipelines.worker.engine import Engine, EngineConfig
+def rss_mb():
+    return next(int(l.split()[1]) // 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
+assert retain_freed_memory()
+model, tok = load_model("tiny", seed=0)
+model.requires_grad_(False)
+e = Engine(model, tok.pad_token_id, stop_token_ids(tok), "tiny(seed=0)", EngineConfig(), tokenizer=tok)
+e.create(1, "one", asdict(LearnerConfig(mode="lora")), seed=0, base_name="")
+datums = [Datum((5, 6, 7, 8), (6, 7, 8, 9), (0.0, 1.0, 1.0, 1.0), (-1.0,) * 4, (0.0, 0.5, 0.5, 0.5))]
+call = {"adapter": "one", "datums": datums, "algorithm": "grpo", "loss_cfg": {}}
+assert "error" not in e.forward_backward([call])[0]
+left = [torch.ones(1 << 20) for _ in range(256)]  # what another client's call freed: 1 GiB
+del left
+before = rss_mb()
+assert "error" not in e.forward_backward([call])[0]
+print(before, rss_mb())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim exists on Linux only")
+def test_a_worker_training_cycle_starts_from_the_live_heap():
+    """The heap other clients' calls left free is given back before a training cycle, so the
+    cycle's buffers do not sit on top of it (the worker's memory under several Tinker clients)."""
+    env = {k: v for k, v in os.environ.items() if k != "TINKER_MALLOC"}
+    out = subprocess.run([sys.executable, "-c", WORKER_CYCLE], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    before, after = (int(x) for x in out.split()[-2:])
+    assert after < before - 900, out

@@ -19,6 +19,16 @@ these processes Python's own lock serialises nearly all allocation anyway.
 
 `retain_freed_memory()` is called where a process starts to sample or train (`Experiment`, the
 command line). `TINKER_MALLOC=system` leaves glibc's defaults. Elsewhere (macOS, musl) it does nothing.
+
+What a kept heap costs a worker that serves several clients: their calls free buffers of shapes
+that the next call's cannot reuse (one client's 256-row mixed decode, then forward_backward
+calls of different lengths, with small long-lived tensors (gradients, optimizer state, sampler
+snapshots) allocated between them), so the heap keeps growing past what is ever live at once.
+Measured with SmolLM2 under four tinker-cookbook RL runs: 8.2 GB resident after a few steps
+(peak 9.2 GB), where one run alone peaks at 6.6 GB; `malloc_trim` brings a heap like that back
+to ~1 GB, its live part. So the worker gives free memory back before each training cycle
+(`release_free_memory`, when more than `RELEASE_AT` is free): each cycle's peak is then what is
+live plus that cycle's own buffers, as in a process that serves one client.
 """
 
 from __future__ import annotations
@@ -34,6 +44,10 @@ TRIM_THRESHOLD = (1 << 31) - 1
 
 ARENA_MAX = 1
 """Arenas (heaps) the process's threads share: one, the main heap the two settings above apply to."""
+
+RELEASE_AT = 512 << 20
+"""Free heap bytes above which `release_free_memory` gives them back (a trim walks the whole heap:
+~0.3 s for 5 GB on a 2-core CPU, so small heaps are left alone)."""
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc's <malloc.h>
 _applied: bool | None = None
@@ -56,3 +70,40 @@ def retain_freed_memory() -> bool:
     _applied = (bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
                 and bool(mallopt(_M_ARENA_MAX, ARENA_MAX)))
     return _applied
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2  # glibc >= 2.33
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    except (OSError, AttributeError):  # not glibc, or an older one
+        return None
+    return libc
+
+
+def free_heap_bytes() -> int:
+    """Bytes free inside glibc's heaps (`mallinfo2().fordblks`; 0 where that cannot be read)."""
+    libc = _libc()
+    return int(libc.mallinfo2().fordblks) if libc is not None else 0
+
+
+def release_free_memory(at_least: int = RELEASE_AT) -> int:
+    """Give the heap's free pages back to the kernel (`malloc_trim(0)`) when more than `at_least`
+    bytes are free; returns the free bytes it found (0: it did nothing). Live memory is untouched;
+    the pages given back are faulted in again when next used."""
+    libc = _libc()
+    if libc is None:
+        return 0
+    free = int(libc.mallinfo2().fordblks)
+    if free <= at_least:
+        return 0
+    libc.malloc_trim(0)
+    return free

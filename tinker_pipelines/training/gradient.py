@@ -169,24 +169,32 @@ def accumulate_gradients(passes: Iterable[Pass], backward: Backward = torch.Tens
     backward; otherwise the span's tally records it, the span is left out of the sum and the
     other spans go on (the caller discards the failed call's gradient)."""
     for p in passes:
-        refs = span_references(p)
-        lp_BT, values_BT = p.forward()
-        total, summed = None, []
-        for span, ref_SBT in zip(p.spans, refs):
-            scaled = span_loss(span, p.padded, lp_BT, values_BT, ref_SBT)
-            if scaled is None:
-                if fail_fast:
-                    raise span.tally.error
-                continue
-            total = scaled if total is None else total + scaled
-            summed.append(span)
-        if total is None:
-            continue
-        if not math.isfinite(total.item()):  # finite losses whose scaled sum overflows
-            error = FloatingPointError(f"non-finite sum of {len(summed)} losses at learner step {summed[0].step}")
+        _run_pass(p, backward, fail_fast)
+
+
+def _run_pass(p: Pass, backward: Backward, fail_fast: bool) -> None:
+    """One pass of `accumulate_gradients`. A function of its own so that the pass's outputs and
+    their graph die when it returns: held by a loop's variables they would live on through the
+    next pass's forward (measured: three SmolLM2 passes of 64 rows peaked at 9.3-10.1 GB this
+    way, 8.0-8.3 GB without)."""
+    refs = span_references(p)
+    lp_BT, values_BT = p.forward()
+    total, summed = None, []
+    for span, ref_SBT in zip(p.spans, refs):
+        scaled = span_loss(span, p.padded, lp_BT, values_BT, ref_SBT)
+        if scaled is None:
             if fail_fast:
-                raise error
-            for span in summed:
-                span.tally.error = error
+                raise span.tally.error
             continue
-        backward(total)
+        total = scaled if total is None else total + scaled
+        summed.append(span)
+    if total is None:
+        return
+    if not math.isfinite(total.item()):  # finite losses whose scaled sum overflows
+        error = FloatingPointError(f"non-finite sum of {len(summed)} losses at learner step {summed[0].step}")
+        if fail_fast:
+            raise error
+        for span in summed:
+            span.tally.error = error
+        return
+    backward(total)

@@ -143,6 +143,13 @@ def forward_backward_together(jobs: list[FBJob], max_rows: int = 0) -> list[FBJo
         current.append((job, chunk))
     passes.append(current)
     for job in jobs:
+        # Gradients allocated now, before any pass: the first backward would allocate them amid
+        # the pass's freed buffers, splitting the heap the next job's pass needs into holes too
+        # small for it (measured: three SmolLM2 jobs of 64 rows peaked at 8.0-8.3 GB that way,
+        # 7.2 GB this way, 7.4 GB run one call at a time). The sums are the same: 0 + g is g.
+        for p in job.learner.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         job.totals = {}
         job.total_w = sum(sum(d.weights) for d in job.datums)
         job.logprobs = [] if job.logprobs is not None else None

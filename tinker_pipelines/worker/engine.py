@@ -18,6 +18,7 @@ from tinker_pipelines.algorithms.losses import LossConfig
 from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.algorithms.tinker_losses import TinkerLossFn, check_tinker_datums, tinker_loss
 from tinker_pipelines.training.gradient import Account
+from tinker_pipelines.training.allocator import release_free_memory
 from tinker_pipelines.training.learner import Learner, LearnerConfig
 from tinker_pipelines.rollout.sampler import BASE, Sample, Sampler, SampleRequest
 from tinker_pipelines.rollout.truncation import target_logprobs
@@ -398,6 +399,8 @@ class Engine:
                 jobs.append((i, FBJob(h.learner, datums, TinkerLossFn(loss), LossConfig(), logprobs=[])))
             except (RequestError, ValueError, KeyError, TypeError) as e:
                 replies[i] = _error(e)
+        if jobs:  # this cycle's buffers in pages of their own, not in holes other clients' calls left
+            release_free_memory()
         done = self._together(jobs, replies)
         for i, j in jobs:
             if i not in done:

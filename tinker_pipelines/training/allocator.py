@@ -34,6 +34,7 @@ live plus that cycle's own buffers, as in a process that serves one client.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 
@@ -77,6 +78,7 @@ class _MallInfo2(ctypes.Structure):
                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
+@functools.lru_cache(maxsize=1)
 def _libc():
     if not sys.platform.startswith("linux"):
         return None

@@ -54,30 +54,34 @@ def test_threads_share_the_main_heap(setting, arenas):
 
 RELEASE = """
 import torch
-from tinker_pipelines.training.allocator import free_heap_bytes, release_free_memory, retain_freed_memory
+from tinker_pipelines.training.allocator import HeapGrowth, retain_freed_memory
 def rss_mb():
     return next(int(l.split()[1]) // 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
 assert retain_freed_memory()
+growth = HeapGrowth(grow_by=256 << 20)
 kept = [torch.ones(1 << 20) for _ in range(256)]  # 1 GiB in 4 MiB buffers: from the heap
 del kept
 before = rss_mb()
-small = release_free_memory(at_least=8 << 30)  # less free than that: left alone
-after_small = rss_mb()
-given = release_free_memory(at_least=64 << 20)
-print(before, small, after_small, given >> 20, rss_mb())
+first = growth.release_if_grown()  # the heap grew by 1 GiB: given back
+after = rss_mb()
+again = [torch.ones(1 << 20) for _ in range(256)]  # the same buffers again fit the same heap
+del again
+refilled = rss_mb()
+second = growth.release_if_grown()  # no growth since: left as it is
+print(before, int(first), after, refilled, int(second), rss_mb())
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim exists on Linux only")
-def test_free_heap_goes_back_to_the_kernel_only_past_the_threshold():
-    """Freed buffers the kept heap holds are resident until `release_free_memory` gives them back;
-    below its threshold it does nothing."""
+def test_free_heap_goes_back_only_after_the_heap_grew():
+    """Freed buffers the kept heap holds are resident until `HeapGrowth` gives them back, which it
+    does when the heap has grown past its threshold, not when a heap it gave back is reused."""
     env = {k: v for k, v in os.environ.items() if k != "TINKER_MALLOC"}
     out = subprocess.run([sys.executable, "-c", RELEASE], env=env, capture_output=True, text=True, check=True).stdout
-    before, small, after_small, given_mb, after = (int(x) for x in out.split())
-    assert small == 0 and after_small > before - 64, out  # nothing given back below the threshold
-    assert given_mb >= 1000, out  # it found the freed GiB
-    assert after < before - 900, out  # and the kernel got it back
+    before, first, after, refilled, second, last = (int(x) for x in out.split())
+    assert first == 1 and after < before - 900, out  # the kernel got the freed GiB back
+    assert refilled > after + 900, out  # reused, the pages are faulted in again
+    assert second == 0 and last > refilled - 64, out  # no growth: kept
 
 
 WORKER_CYCLE = """

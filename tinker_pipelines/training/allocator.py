@@ -21,14 +21,14 @@ these processes Python's own lock serialises nearly all allocation anyway.
 command line). `TINKER_MALLOC=system` leaves glibc's defaults. Elsewhere (macOS, musl) it does nothing.
 
 What a kept heap costs a worker that serves several clients: their calls free buffers of shapes
-that the next call's cannot reuse (one client's 256-row mixed decode, then forward_backward
-calls of different lengths, with small long-lived tensors (gradients, optimizer state, sampler
-snapshots) allocated between them), so the heap keeps growing past what is ever live at once.
-Measured with SmolLM2 under four tinker-cookbook RL runs: 8.2 GB resident after a few steps
-(peak 9.2 GB), where one run alone peaks at 6.6 GB; `malloc_trim` brings a heap like that back
-to ~1 GB, its live part. So the worker gives free memory back before each training cycle
-(`release_free_memory`, when more than `RELEASE_AT` is free): each cycle's peak is then what is
-live plus that cycle's own buffers, as in a process that serves one client.
+that the next call's cannot always reuse (one client's 256-row mixed decode, then forward_backward
+calls of other lengths, small long-lived tensors allocated between them), so the heap creeps up
+past what is ever live at once: under four tinker-cookbook RL runs on SmolLM2, 5.6 -> 6.2 GB
+resident over four steps where `malloc_trim` would bring it back to ~1 GB, its live part. So a
+worker gives its free heap back before a training cycle once the heap has grown by more than
+`RELEASE_AT` since it last did (`HeapGrowth`). A heap that its own cycles keep reusing (one
+client training steadily) is left alone: the pages given back would be faulted in again by the
+very next cycle.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import ctypes
 import functools
 import os
 import sys
+from dataclasses import dataclass
 
 MMAP_THRESHOLD = 32 << 20
 """Allocations below this come from the heap, not a fresh mapping (glibc's largest allowed value)."""
@@ -47,8 +48,8 @@ ARENA_MAX = 1
 """Arenas (heaps) the process's threads share: one, the main heap the two settings above apply to."""
 
 RELEASE_AT = 512 << 20
-"""Free heap bytes above which `release_free_memory` gives them back (a trim walks the whole heap:
-~0.3 s for 5 GB on a 2-core CPU, so small heaps are left alone)."""
+"""Heap growth past which `HeapGrowth` gives the free heap back (a trim walks the whole heap:
+~0.3 s for 5 GB on a 2-core CPU)."""
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc's <malloc.h>
 _applied: bool | None = None
@@ -91,21 +92,35 @@ def _libc():
     return libc
 
 
-def free_heap_bytes() -> int:
-    """Bytes free inside glibc's heaps (`mallinfo2().fordblks`; 0 where that cannot be read)."""
+def heap_bytes() -> int:
+    """Size of glibc's heaps, free parts included (`mallinfo2().arena`; 0 where it cannot be read)."""
     libc = _libc()
-    return int(libc.mallinfo2().fordblks) if libc is not None else 0
+    return int(libc.mallinfo2().arena) if libc is not None else 0
 
 
-def release_free_memory(at_least: int = RELEASE_AT) -> int:
-    """Give the heap's free pages back to the kernel (`malloc_trim(0)`) when more than `at_least`
-    bytes are free; returns the free bytes it found (0: it did nothing). Live memory is untouched;
-    the pages given back are faulted in again when next used."""
+def release_free_memory() -> bool:
+    """Give the heap's free pages back to the kernel (`malloc_trim(0)`); whether it could. Live
+    memory is untouched; pages given back are faulted in again when next used."""
     libc = _libc()
     if libc is None:
-        return 0
-    free = int(libc.mallinfo2().fordblks)
-    if free <= at_least:
-        return 0
+        return False
     libc.malloc_trim(0)
-    return free
+    return True
+
+
+@dataclass
+class HeapGrowth:
+    """Gives the free heap back when the heap has grown by more than `grow_by` bytes since the last
+    time (see the module's doc)."""
+
+    grow_by: int = RELEASE_AT
+    mark: int = 0
+    """The heap's size when it was last given back (0: never)."""
+
+    def release_if_grown(self) -> bool:
+        """Release now if the heap grew past `grow_by` since `mark`; whether it did."""
+        size = heap_bytes()
+        if size - self.mark <= self.grow_by or not release_free_memory():
+            return False
+        self.mark = heap_bytes()
+        return True

@@ -18,7 +18,7 @@ from tinker_pipelines.algorithms.losses import LossConfig
 from tinker_pipelines.algorithms.registry import get_algorithm
 from tinker_pipelines.algorithms.tinker_losses import TinkerLossFn, check_tinker_datums, tinker_loss
 from tinker_pipelines.training.gradient import Account
-from tinker_pipelines.training.allocator import release_free_memory
+from tinker_pipelines.training.allocator import HeapGrowth
 from tinker_pipelines.training.learner import Learner, LearnerConfig
 from tinker_pipelines.rollout.sampler import BASE, Sample, Sampler, SampleRequest
 from tinker_pipelines.rollout.truncation import target_logprobs
@@ -101,6 +101,8 @@ class Engine:
     """`forward_backward` calls of several experiments that ran in shared base passes."""
     shared_pass_errors: int = 0
     """Those that raised and were rerun one call at a time (each is logged with its cause)."""
+    heap: HeapGrowth = field(default_factory=HeapGrowth)
+    """Gives free heap back before a training cycle once it has grown (`training.allocator`)."""
 
     def __post_init__(self) -> None:
         self.base_model = self.model
@@ -399,8 +401,8 @@ class Engine:
                 jobs.append((i, FBJob(h.learner, datums, TinkerLossFn(loss), LossConfig(), logprobs=[])))
             except (RequestError, ValueError, KeyError, TypeError) as e:
                 replies[i] = _error(e)
-        if jobs:  # this cycle's buffers in pages of their own, not in holes other clients' calls left
-            release_free_memory()
+        if jobs:  # a heap that other clients' calls left full of holes goes back to its live part
+            self.heap.release_if_grown()
         done = self._together(jobs, replies)
         for i, j in jobs:
             if i not in done:

@@ -7,6 +7,12 @@ per step, nearly whatever the rows). Calls merge when they sample the same adapt
 same settings and bring no seed of their own (a seeded call's tokens must not depend on its
 neighbours, so it is sent alone). Each connection sends one merged call at a time; the calls
 that arrive meanwhile merge into the next.
+
+A batch's requests reach the service over some milliseconds (each is an HTTP request of its own,
+parsed in turn), so a merged call is sent once calls stop arriving for `settle_s` (at most
+`max_wait_s` after the first, or as soon as it is full). Sent at the first arrival, a recipe's
+64-row batch went to the worker as two decodes (0.8 s for the first few rows, then 1.6 s for the
+rest) instead of one.
 """
 
 from __future__ import annotations
@@ -50,10 +56,15 @@ def merge_key(call: M.SampleCall) -> tuple:
 class SampleBatcher:
     """Merges calls per connection; `send(conn, call)` runs one worker call in a thread."""
 
-    def __init__(self, send: Callable[[Any, M.SampleCall], M.SampleReply], max_rows: int = 256):
+    def __init__(self, send: Callable[[Any, M.SampleCall], M.SampleReply], max_rows: int = 256,
+                 settle_s: float = 0.02, max_wait_s: float = 0.2):
         self.send = send
         self.max_rows = max_rows
         """Most rows (prompts x num_samples) in one merged call (the worker's --max-rows)."""
+        self.settle_s = settle_s
+        """A merged call goes once no call has arrived for this long..."""
+        self.max_wait_s = max_wait_s
+        """...or this long after its first call arrived, or when it is full."""
         self._queues: dict[int, list[_Pending]] = {}
         self._conns: dict[int, Any] = {}
         self._busy: set[int] = set()
@@ -90,6 +101,7 @@ class SampleBatcher:
     async def _drain(self, key: int) -> None:
         try:
             while self._queues.get(key):
+                await self._settle(key)
                 group = self._take(key)
                 merged = msgspec.structs.replace(group[0].call, prompts=[q for p in group for q in p.call.prompts]) \
                     if len(group) > 1 else group[0].call
@@ -111,6 +123,19 @@ class SampleBatcher:
             self._busy.discard(key)
             self._queues.pop(key, None)
             self._conns.pop(key, None)
+
+    async def _settle(self, key: int) -> None:
+        """Wait while calls are still arriving for connection `key` (see the module's doc)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_wait_s
+        seen = -1
+        while True:
+            queue = self._queues.get(key, [])
+            rows = sum(len(p.call.prompts) * p.call.num_samples for p in queue)
+            if len(queue) == seen or rows >= self.max_rows or loop.time() >= deadline:
+                return
+            seen = len(queue)
+            await asyncio.sleep(min(self.settle_s, max(0.0, deadline - loop.time())))
 
     @staticmethod
     def _split(group: list[_Pending], reply: M.SampleReply) -> None:

@@ -114,6 +114,7 @@ class HeapGrowth:
     time (see the module's doc)."""
 
     grow_by: int = RELEASE_AT
+    """Heap growth, bytes, past which the free heap is given back."""
     mark: int = 0
     """The heap's size when it was last given back (0: never)."""
 

@@ -476,7 +476,7 @@ class Engine:
                 "claims": self.claims, "shared_passes": self.shared_passes,
                 "shared_pass_errors": self.shared_pass_errors, **self.sampler.counts,
                 "base": self.base, "device": str(self.device),
-                "peak_rss_mb": usage.ru_maxrss / 1024, "rss_mb": _rss_mb()}
+                "peak_rss_mb": usage.ru_maxrss / 1024, "rss_mb": resident_mb()[0]}
 
 
 def _lora_tensors(learner: Learner) -> dict[str, torch.Tensor]:
@@ -512,12 +512,17 @@ def _peek_record(path: Path) -> dict[str, Any]:
     return json.loads(f.read_text())
 
 
-def _rss_mb() -> float:
+def resident_mb() -> tuple[float, float]:
+    """This process's resident memory now and at its peak (VmRSS, VmHWM), MB; zeros where /proc is missing."""
+    found = {}
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    found[line[:5]] = int(line.split()[1]) / 1024
     except OSError:
-        return 0.0
+        pass
+    return found.get("VmRSS", 0.0), found.get("VmHWM", 0.0)
 
 
 def _chunk(items: list, max_rows: int) -> list[list]:

@@ -42,7 +42,7 @@ import msgspec
 
 from tinker_pipelines.rollout.samples import Sample
 from tinker_pipelines.worker import messages as M
-from tinker_pipelines.worker.engine import Engine, RequestError
+from tinker_pipelines.worker.engine import Engine, RequestError, resident_mb
 from tinker_pipelines.worker.messages import Op
 
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -243,7 +243,7 @@ class WorkerServer:
                 ops = tuple(_label(i) for i in batch)
                 self.cycles.append(ops)
                 if os.environ.get("TINKER_WORKER_TRACE"):
-                    rss, peak = _resident_mb()
+                    rss, peak = resident_mb()
                     print(f"worker: {time.perf_counter() - t0:.3f}s {','.join(ops)}"
                           + (f" (holding {len(held)} samples)" if held else "")
                           + f" rss {rss:.0f} peak {peak:.0f}", file=self.log, flush=True)
@@ -444,16 +444,3 @@ def _send(conn, message: M.Reply) -> bool:
         return True
     except (OSError, ValueError):
         return False
-
-
-def _resident_mb() -> tuple[float, float]:
-    """This process's resident memory now and at its peak (VmRSS, VmHWM), MB; zeros where /proc is missing."""
-    found = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(("VmRSS:", "VmHWM:")):
-                    found[line[:5]] = int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return found.get("VmRSS", 0.0), found.get("VmHWM", 0.0)

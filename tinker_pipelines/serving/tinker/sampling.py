@@ -33,6 +33,11 @@ class _Pending:
     future: asyncio.Future
     key: tuple = ()
 
+    @property
+    def rows(self) -> int:
+        """Sequences it decodes: prompts x num_samples."""
+        return len(self.call.prompts) * self.call.num_samples
+
 
 @dataclass(frozen=True)
 class Answer:
@@ -89,10 +94,9 @@ class SampleBatcher:
         first = queue[0].key
         group, rest, rows = [], [], 0
         for p in queue:
-            n = len(p.call.prompts) * p.call.num_samples
-            if p.key == first and (not group or rows + n <= self.max_rows):
+            if p.key == first and (not group or rows + p.rows <= self.max_rows):
                 group.append(p)
-                rows += n
+                rows += p.rows
             else:
                 rest.append(p)
         self._queues[key] = rest
@@ -131,8 +135,7 @@ class SampleBatcher:
         seen = -1
         while True:
             queue = self._queues.get(key, [])
-            rows = sum(len(p.call.prompts) * p.call.num_samples for p in queue)
-            if len(queue) == seen or rows >= self.max_rows or loop.time() >= deadline:
+            if len(queue) == seen or sum(p.rows for p in queue) >= self.max_rows or loop.time() >= deadline:
                 return
             seen = len(queue)
             await asyncio.sleep(min(self.settle_s, max(0.0, deadline - loop.time())))

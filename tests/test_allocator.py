@@ -119,3 +119,26 @@ def test_a_worker_training_cycle_starts_from_the_live_heap():
                          check=True).stdout
     before, after = (int(x) for x in out.split()[-2:])
     assert after < before - 900, out
+
+
+def test_a_heap_the_trim_shrank_is_not_growing_when_refilled(monkeypatch):
+    """glibc's trim shrinks the heap itself when its top is free (it does or not depending on what
+    else is live up there): refilling it to its old size is reuse and is not given back again."""
+    from tinker_pipelines.training import allocator
+
+    heap = {"size": 1300 << 20}
+    trims = []
+
+    def trim():
+        trims.append(heap["size"])
+        heap["size"] = 280 << 20  # the free top went back to the kernel
+        return True
+
+    monkeypatch.setattr(allocator, "heap_bytes", lambda: heap["size"])
+    monkeypatch.setattr(allocator, "release_free_memory", trim)
+    growth = allocator.HeapGrowth(grow_by=256 << 20)
+    assert growth.release_if_grown() and len(trims) == 1
+    heap["size"] = 1300 << 20  # the same cycle again
+    assert not growth.release_if_grown() and len(trims) == 1
+    heap["size"] = (1300 + 300) << 20  # grew past the last peak by more than grow_by
+    assert growth.release_if_grown() and len(trims) == 2

@@ -116,12 +116,14 @@ class HeapGrowth:
     grow_by: int = RELEASE_AT
     """Heap growth, bytes, past which the free heap is given back."""
     mark: int = 0
-    """The heap's size when it was last given back (0: never)."""
+    """The heap's size just before it was last given back (0: never)."""
 
     def release_if_grown(self) -> bool:
         """Release now if the heap grew past `grow_by` since `mark`; whether it did."""
         size = heap_bytes()
         if size - self.mark <= self.grow_by or not release_free_memory():
             return False
-        self.mark = heap_bytes()
+        # The size before the trim, not after: a trim also shrinks the heap itself when its top is
+        # free, and the next cycle growing it back to where it was is reuse, not growth.
+        self.mark = size
         return True

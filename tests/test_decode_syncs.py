@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinker_pipelines.rollout.sampler import (DEVICE_CHECK_EVERY, Sampler, SampleRequest, check_interval,
-                                              uniforms_on_device)
+from tinker_pipelines.rollout.decode_rows import DEVICE_CHECK_EVERY, check_interval, uniforms_on_device
+from tinker_pipelines.rollout.sampler import Sampler, SampleRequest
 
 
 def _prompts(vocab: int) -> list[list[int]]:

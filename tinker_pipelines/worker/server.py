@@ -7,7 +7,8 @@ takes the first pending request, then waits up to `window_s` for every other con
 to have one pending too (Tinker's clock cycle): the `sample` calls of that cycle decode as one
 mixed-adapter batch and its `forward_backward` calls share base passes (`Engine`). With
 `TINKER_WORKER_TRACE=1` in its environment the worker logs each cycle's duration and requests,
-and its resident memory after the cycle and at its peak so far (MB).
+and its resident memory after the cycle and at its peak so far, glibc's heap and its size when last
+given back (`training/allocator.HeapGrowth`), in MB.
 
 Experiments drift out of step: once one trains while another samples, every later cycle mixes a
 few samples with other clients' training calls, and the mixed batches stay small (`benchmarks.
@@ -41,6 +42,7 @@ from typing import Any
 import msgspec
 
 from tinker_pipelines.rollout.samples import Sample
+from tinker_pipelines.training.allocator import heap_bytes
 from tinker_pipelines.worker import messages as M
 from tinker_pipelines.worker.engine import Engine, RequestError, resident_mb
 from tinker_pipelines.worker.messages import Op
@@ -246,7 +248,8 @@ class WorkerServer:
                     rss, peak = resident_mb()
                     print(f"worker: {time.perf_counter() - t0:.3f}s {','.join(ops)}"
                           + (f" (holding {len(held)} samples)" if held else "")
-                          + f" rss {rss:.0f} peak {peak:.0f}", file=self.log, flush=True)
+                          + f" rss {rss:.0f} peak {peak:.0f} heap {heap_bytes() >> 20}"
+                          f" (released at {self.engine.heap.mark >> 20})", file=self.log, flush=True)
             except Exception as e:  # a bug must not kill the worker: report it to the callers
                 traceback.print_exc(file=self.log)
                 for item in batch:

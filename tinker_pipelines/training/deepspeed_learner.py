@@ -171,6 +171,9 @@ class DeepSpeedLearner(Learner):
             raise ValueError(f"DeepSpeed trains every parameter: training.mode must be 'full', got {cfg.mode!r}")
         if stage not in (2, 3):
             raise ValueError(f"training.deepspeed.stage must be 2 or 3 for DeepSpeedLearner, got {stage}")
+        if cfg.micro_batch_tokens:  # DeepSpeed's engine fixes a micro-batch's rows in its config
+            raise ValueError(f"training.micro_batch_tokens is not supported under DeepSpeed (it splits passes by "
+                             f"training.micro_batch_size alone), got {cfg.micro_batch_tokens}")
         deepspeed = _deepspeed()
         dtype = next(base_model.parameters()).dtype
         config = deepspeed_config(cfg, dtype, stage, offload_optimizer, zero_overrides)  # refuses fp16 first

@@ -111,9 +111,27 @@ class Pass:
     """The reference policy's logprobs [B, T] of the pass's rows (None: no span needs them)."""
 
 
-def micro_batches(datums: list[Datum], size: int) -> list[list[Datum]]:
-    """Consecutive chunks of at most `size` datums."""
-    return [datums[i:i + size] for i in range(0, len(datums), size)]
+def micro_batches(datums: list[Datum], size: int, max_tokens: int = 0) -> list[list[Datum]]:
+    """Consecutive chunks of at most `size` datums and, with `max_tokens` > 0, at most that many
+    padded tokens (rows x the chunk's longest datum); a datum longer than `max_tokens` is a chunk
+    of its own.
+
+    >>> [len(c) for c in micro_batches([Datum((1,) * n, (1,) * n, (1.0,) * n) for n in (4, 4, 4, 9, 2)], 64, 12)]
+    [3, 1, 1]
+    """
+    if max_tokens <= 0:
+        return [datums[i:i + size] for i in range(0, len(datums), size)]
+    chunks: list[list[Datum]] = []
+    current: list[Datum] = []
+    longest = 0
+    for d in datums:
+        n = len(d.input_tokens)
+        if current and (len(current) == size or (len(current) + 1) * max(longest, n) > max_tokens):
+            chunks.append(current)
+            current, longest = [], 0
+        current.append(d)
+        longest = max(longest, n)
+    return chunks + [current] if current else chunks
 
 
 def _rows(t_BT: torch.Tensor, start: int, end: int) -> torch.Tensor:

@@ -72,6 +72,9 @@ class LearnerConfig:
     """The sampler's min-p (0.0: off), likewise."""
     micro_batch_size: int = 64
     """Sequences per forward pass; gradients accumulate across micro-batches."""
+    micro_batch_tokens: int = 0
+    """Padded tokens (rows x longest) per forward pass at most, beside `micro_batch_size` (0: no
+    bound): a pass's activations grow with its tokens, whatever their rows."""
     needs_reference: bool = False
     """Whether losses get reference logprobs (a KL penalty is on)."""
     value_head: bool = False
@@ -87,6 +90,7 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         check_learner_settings(mode=self.mode, learning_rate=self.learning_rate, lora_rank=self.lora_rank,
                                lora_alpha=self.lora_alpha, micro_batch_size=self.micro_batch_size,
+                               micro_batch_tokens=self.micro_batch_tokens,
                                temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                                value_learning_rate=self.value_learning_rate)
 
@@ -269,6 +273,10 @@ class Learner:
             raise RuntimeError("full-parameter learner was built without a reference (needs_reference=False)")
         return self._forward(self.reference, padded, sampled_support=False)[0]
 
+    def micro_batches(self, datums: list[Datum]) -> list[list[Datum]]:
+        """The forward passes a call over `datums` runs, in order (`cfg.micro_batch_size`, `cfg.micro_batch_tokens`)."""
+        return micro_batches(datums, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
+
     @torch.no_grad()
     def compute_reference_logprobs(self, datums: list[Datum]) -> list[list[float]]:
         """The reference policy's logprob of every target token, per datum (0 before the first
@@ -277,9 +285,7 @@ class Learner:
         passes over one batch run the reference forward once."""
         self.activate()
         out: list[list[float]] = []
-        mb = self.cfg.micro_batch_size
-        for start in range(0, len(datums), mb):
-            chunk = datums[start:start + mb]
+        for chunk in self.micro_batches(datums):
             ref_BT = self.reference_logprobs(pad_datums(chunk, self.pad_token_id, self.device))
             out += [ref_BT[i, : len(d.input_tokens)].tolist() for i, d in enumerate(chunk)]
         return out
@@ -300,9 +306,7 @@ class Learner:
             raise RuntimeError("this learner has no value head (LearnerConfig.value_head=False)")
         self.activate()
         out: list[list[float]] = []
-        mb = self.cfg.micro_batch_size
-        for start in range(0, len(datums), mb):
-            chunk = datums[start:start + mb]
+        for chunk in self.micro_batches(datums):
             _, v_BT = self._forward(self.model, pad_datums(chunk, self.pad_token_id, self.device), values=True)
             out += [v_BT[i, : len(d.input_tokens)].tolist() for i, d in enumerate(chunk)]
         return out
@@ -345,7 +349,7 @@ class Learner:
                 tally: Account) -> Iterator[Pass]:
         """One pass per micro-batch, padded as it is reached (one micro-batch's tensors at a time)."""
         only_weighted = not full_forward([tally])
-        for chunk in micro_batches(datums, self.cfg.micro_batch_size):
+        for chunk in self.micro_batches(datums):
             padded = pad_datums(chunk, self.pad_token_id, self.device)
             span = LossSpan(0, len(chunk), loss_fn, loss_cfg, total_w, len(datums), self.steps, tally,
                             needs_reference=self.cfg.needs_reference, values=self.value_head is not None)

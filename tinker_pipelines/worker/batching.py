@@ -27,8 +27,7 @@ from tinker_pipelines.training.learner import Learner
 from tinker_pipelines.training.lora_linear import adapters_disabled, lora_linear
 from tinker_pipelines.training.padding import _Padded, pad_datums
 from tinker_pipelines.training.prefix_sharing import PrefixPlan, plan_prefix_sharing, supports_prefix_sharing
-from tinker_pipelines.training.gradient import (LossSpan, Pass, accumulate_gradients, full_forward, micro_batches,
-                                                own_metrics)
+from tinker_pipelines.training.gradient import LossSpan, Pass, accumulate_gradients, full_forward, own_metrics
 from tinker_pipelines.types import Datum
 
 Segments = list[tuple[int, int, str | None]]
@@ -118,7 +117,7 @@ class FBJob:
 
 
 def _pieces(job: FBJob) -> list[list[Datum]]:
-    return micro_batches(job.datums, job.learner.cfg.micro_batch_size)  # the same micro-batches as alone
+    return job.learner.micro_batches(job.datums)  # the same micro-batches as alone
 
 
 def forward_backward_together(jobs: list[FBJob], max_rows: int = 0) -> list[FBJob]:

@@ -87,15 +87,12 @@ TINKER_LORA_TARGETS = {"train_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
 """The modules each switch of Tinker's `LoraConfig` adds LoRA to (Llama-style names)."""
 TINKER_LORA_ALPHA = 32.0
 """The LoRA alpha of adapters made from a Tinker `LoraConfig`, which has no alpha field."""
-TINKER_PASS_TOKENS = 4096
+TINKER_PASS_TOKENS = 1024
 """Padded tokens per forward pass of a Tinker adapter's `forward_backward` (`micro_batch_tokens`):
-a client sends a whole step's datums in one call, and a pass's activations grow with its tokens
-(an SL batch of long conversations in one pass would not fit a GPU). 4096 is a GPU-sized pass, so
-a step of short RL datums still runs as one pass. Smaller passes cost less memory and, on a CPU,
-less time: SmolLM2 on a 2-core CPU, 64 datums of 38-50 tokens (a math_rl step), in-process: one
-pass 8.0 GB at its peak and 22 s; 1024 tokens 3.4 GB and 16.5 s (512: 2.3 GB, 15.2 s; 2048:
-5.4 GB, 15.4 s). The loss is a sum over tokens, so the passes do not change the gradient beyond
-float rounding."""
+a client sends a whole step's datums in one call. SmolLM2 on a 2-core CPU, 64 datums of 38-50
+tokens (a math_rl step): one pass held 8.0 GB at its peak and took 22 s; passes of 1024 tokens
+3.4 GB and 16.5 s (512: 2.3 GB, 15.2 s; 2048: 5.4 GB, 15.4 s). The loss is a sum over tokens,
+so the passes do not change the gradient beyond float rounding."""
 
 
 def tinker_lora_settings(lora_config: Mapping[str, Any]) -> tuple[dict[str, Any], int | None]:
@@ -105,7 +102,7 @@ def tinker_lora_settings(lora_config: Mapping[str, Any]) -> tuple[dict[str, Any]
     `lora_config.<field>`.
 
     >>> tinker_lora_settings({"rank": 4, "seed": 7, "train_mlp": False})
-    ({'mode': 'lora', 'lora_rank': 4, 'lora_alpha': 32.0, 'lora_targets': ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'lm_head'), 'micro_batch_tokens': 4096}, 7)
+    ({'mode': 'lora', 'lora_rank': 4, 'lora_alpha': 32.0, 'lora_targets': ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'lm_head'), 'micro_batch_tokens': 1024}, 7)
     """
     known = ("rank", "seed", *TINKER_LORA_TARGETS)
     unknown = sorted(set(lora_config) - set(known))

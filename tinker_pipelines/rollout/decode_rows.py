@@ -1,4 +1,4 @@
-"""The decode batch's per-row state (`_DecodeRows`) and its uniforms (`_UniformSource`), which
+"""The decode batch's per-row state (`DecodeRows`) and its uniforms (`UniformSource`), which
 `sampler.Sampler._decode` steps through: what each row drew, which rows are live, where each ends,
 and how often the host looks (see `sampler`'s module doc for why each is done this way)."""
 
@@ -30,7 +30,7 @@ def check_interval(device: torch.device, override: int | None = None) -> int:
     return override or (1 if device.type == "cpu" else DEVICE_CHECK_EVERY)
 
 
-class _UniformSource:
+class UniformSource:
     """The decode loop's uniforms, one per row and step, from each request's generator.
 
     Where they are drawn (`on_device`; default: on a CUDA device, not on a CPU): on the CPU, each
@@ -74,7 +74,7 @@ class _UniformSource:
         return torch.cat(parts).to(self.device).index_select(0, row_idx)
 
 
-def _left_padded(prompts_U: list, pad_token_id: int,
+def left_padded(prompts_U: list, pad_token_id: int,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_UL, mask_UL, positions_UL) on `device`: left padding keeps every row's last token aligned."""
     U, longest = len(prompts_U), max(len(p) for p in prompts_U)
@@ -87,7 +87,7 @@ def _left_padded(prompts_U: list, pad_token_id: int,
     return input_UL, mask_UL, (mask_UL.cumsum(-1) - 1).clamp_(min=0)
 
 
-class _DecodeRows:
+class DecodeRows:
     """The decode batch's per-row state: the live rows plus finished rows not yet pruned.
 
     Row i of every `_B` / `_BT` tensor is original row `rows[i]` (requests' prompts in order). Stop

@@ -19,10 +19,10 @@ All rows decode together. Where time goes on CPU, and what this module does abou
   by float rounding (~1e-5 on SmolLM2; greedy tokens still equal `generate`'s).
 - Tokens and logprobs stay in tensors until a row is read out. Stop tokens and lengths end rows
   on the device; Python looks at them (one host sync) every step on a CPU, where a sync costs
-  nothing, and every `decode_rows.DEVICE_CHECK_EVERY` steps elsewhere (`Sampler.check_every`), where each
-  one drains the device's queue. Stop strings are scanned at those checks, for every step since
+  nothing, and every `decode_rows.DEVICE_CHECK_EVERY` steps elsewhere (`Sampler.check_every`),
+  where each one drains the device's queue. Stop strings are scanned at those checks, for every step since
   the last one, so rows end exactly where a scan after every step would end them. On CUDA the
-  uniforms are drawn on the device (`decode_rows._UniformSource`).
+  uniforms are drawn on the device (`decode_rows.UniformSource`).
 
 Host syncs that remain on CUDA, per call: the prompt setup and prefill; one every
 `DEVICE_CHECK_EVERY` steps (live rows, stop strings, pruning); the read-out. Per step, only where
@@ -41,7 +41,7 @@ from typing import Iterator
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tinker_pipelines.rollout.decode_rows import _DecodeRows, _left_padded, _UniformSource, check_interval
+from tinker_pipelines.rollout.decode_rows import DecodeRows, UniformSource, check_interval, left_padded
 from tinker_pipelines.rollout.draw import sample_tokens  # noqa: F401 (re-exported)
 from tinker_pipelines.rollout.hf_decoder import _HFDecoder
 from tinker_pipelines.rollout.lean_llama import LeanLlamaDecoder, PromptStore, unwrap_causal_lm, weights_fingerprint
@@ -93,7 +93,7 @@ class Sampler:
         on a CPU, `DEVICE_CHECK_EVERY` elsewhere). Samples do not depend on it; a request's
         generator draws until the check after its last row finished."""
         self.device_uniforms: bool | None = None
-        """Draw the uniforms on the model's device (None: on CUDA; `_UniformSource`)."""
+        """Draw the uniforms on the model's device (None: on CUDA; `UniformSource`)."""
 
     def invalidate(self) -> None:
         """Drop the fused weights and stored prompt keys/values (weights changed behind torch's
@@ -251,12 +251,12 @@ class Sampler:
     def _decode(self, requests: list[SampleRequest], decoder, fingerprint: tuple | None,
                 mixed: bool = False) -> list[list[Sample]]:
         """Prefill every request's prompts, then decode them together until each row ends
-        (`_DecodeRows` holds the per-row state; Python looks at it every `check_every` steps)."""
+        (`DecodeRows` holds the per-row state; Python looks at it every `check_every` steps)."""
         device = next(self.model.parameters()).device
         M = max(r.max_new_tokens for r in requests)
         logits_BV = self._prefill(requests, decoder, fingerprint, mixed, M, device)
-        state = _DecodeRows(requests, M, logits_BV.shape[-1], self.stop_token_ids, device)
-        draw = _UniformSource(requests, device, self.device_uniforms)
+        state = DecodeRows(requests, M, logits_BV.shape[-1], self.stop_token_ids, device)
+        draw = UniformSource(requests, device, self.device_uniforms)
         check_every = check_interval(device, self.check_every)
         scanned = 0  # steps whose stop strings were scanned
         for t in range(M):
@@ -293,7 +293,7 @@ class Sampler:
         unique: dict = {}
         row_of = [unique.setdefault(k, len(unique)) for k in key]
         U = len(unique)
-        input_UL, mask_UL, positions_UL = _left_padded([k[1] if mixed else k for k in unique], self.pad_token_id,
+        input_UL, mask_UL, positions_UL = left_padded([k[1] if mixed else k for k in unique], self.pad_token_id,
                                                        device)
         if mixed:
             names = list(dict.fromkeys(r.adapter for r in requests))

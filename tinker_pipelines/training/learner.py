@@ -274,7 +274,8 @@ class Learner:
         return self._forward(self.reference, padded, sampled_support=False)[0]
 
     def micro_batches(self, datums: list[Datum]) -> list[list[Datum]]:
-        """The forward passes a call over `datums` runs, in order (`cfg.micro_batch_size`, `cfg.micro_batch_tokens`)."""
+        """The forward passes a call over `datums` runs, in order (bounded by `cfg.micro_batch_size`
+        and `cfg.micro_batch_tokens`)."""
         return micro_batches(datums, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
 
     @torch.no_grad()

@@ -98,8 +98,8 @@ so the passes do not change the gradient beyond float rounding."""
 def tinker_lora_settings(lora_config: Mapping[str, Any]) -> tuple[dict[str, Any], int | None]:
     """Tinker's `LoraConfig` {rank, seed, train_mlp, train_attn, train_unembed} (the SDK's
     defaults for missing switches: all True) as `LearnerConfig` fields (mode 'lora', rank, alpha,
-    targets, and `TINKER_PASS_TOKENS` as its pass size) and the adapter's init seed (None: the client gave none). `ValueError` naming
-    `lora_config.<field>`.
+    targets, and `TINKER_PASS_TOKENS` as its pass size) and the adapter's init seed (None: the
+    client gave none). `ValueError` naming `lora_config.<field>`.
 
     >>> tinker_lora_settings({"rank": 4, "seed": 7, "train_mlp": False})
     ({'mode': 'lora', 'lora_rank': 4, 'lora_alpha': 32.0, 'lora_targets': ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'lm_head'), 'micro_batch_tokens': 1024}, 7)

@@ -84,8 +84,9 @@ def sdk_steps(url: str, mdir: Path, s: rep.Settings, prompts: dict, steps: int, 
 
 def inprocess_steps(mdir: Path, s: rep.Settings, prompts: dict, sdk_datums: list, seed: int) -> dict:
     """The same steps on an in-process `Learner` and `Sampler`, training on the SDK's datums with
-    the same Tinker loss (`Learner.tinker_forward_backward`) and Adam settings."""
-    from tinker_pipelines.algorithms.tinker_losses import tinker_loss
+    the same Tinker loss (`Learner.tinker_forward_backward`) and Adam settings. The datums are
+    taken as a Tinker client's (`datum_from_tinker`, as the service takes them)."""
+    from tinker_pipelines.algorithms.tinker_losses import datum_from_tinker, tinker_loss
 
     r = rep.Replica(mdir, s, cr.COOKBOOK_PYTHON, seed)
     loss = tinker_loss("importance_sampling")
@@ -95,7 +96,10 @@ def inprocess_steps(mdir: Path, s: rep.Settings, prompts: dict, sdk_datums: list
     for i, datums in enumerate(sdk_datums):
         rows = [p for p in prompts[i] for _ in range(s.group_size)]
         r.sampler.sample(rows, s.max_tokens, s.temperature, r.generator, stop=(rep.STOP,))
-        lps, metrics = r.learner.tinker_forward_backward(datums, loss)
+        tinker_datums = [datum_from_tinker(d.input_tokens, {"target_tokens": d.target_tokens, "logprobs":
+                                                            d.behaviour_logprobs, "advantages": d.advantages},
+                                           loss=loss) for d in datums]
+        lps, metrics = r.learner.tinker_forward_backward(tinker_datums, loss)
         r.learner.optim_step(adam)
         losses.append(float(metrics["loss:sum"]))
         logprobs.append([[float(v) for v in lp] for lp in lps])

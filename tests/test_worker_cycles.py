@@ -91,3 +91,24 @@ def test_a_negative_wait_is_refused(flag):
 
     r = subprocess.run([sys.executable, "-m", "tinker_pipelines", "worker", flag, "-1"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip() == f"error: {flag} must be >= 0, got -1"
+
+
+def test_the_stop_signal_handler_takes_no_lock(tmp_path):
+    """A signal handler runs in the main thread between any two of its bytecodes, also while that
+    thread holds the lock of the event its serving loop waits on; a handler that took that lock
+    deadlocked the worker, which then outlived the service that was killed."""
+    import signal
+
+    model, tok = load_model("tiny", seed=0)
+    engine = Engine(model, tok.pad_token_id, stop_token_ids(tok), "tiny(seed=0)", EngineConfig(), tokenizer=tok)
+    s = WorkerServer(engine, tmp_path / "w.sock")
+
+    def interrupted_inside_wait():
+        with s._stopping._cond:  # as in `Event.wait`, where the signal arrived
+            s._on_signal(signal.SIGTERM, None)
+
+    t = threading.Thread(target=interrupted_inside_wait, daemon=True)
+    t.start()
+    t.join(timeout=10)
+    assert not t.is_alive()
+    assert s._signalled

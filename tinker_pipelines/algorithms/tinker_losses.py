@@ -138,6 +138,10 @@ class TinkerLossSpec:
     """The `loss_fn_inputs` keys every datum must carry, exactly (Tinker's names)."""
     config_defaults: Mapping[str, float | None] = field(default_factory=dict)
     """The `loss_fn_config` keys it accepts and their defaults; None means the key is required."""
+    advantage_gated: bool = False
+    """Whether a token whose advantage is 0 adds exactly 0 to the loss and to its gradient (every
+    term is a multiple of the advantage): such tokens get weight 0 (`datum_from_tinker`), so a
+    prompt shared by a group's samples runs once and without gradient."""
 
 
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
@@ -145,12 +149,15 @@ _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 TINKER_LOSSES: dict[str, TinkerLossSpec] = {
     spec.name: spec for spec in (
         TinkerLossSpec("cross_entropy", cross_entropy, ("target_tokens", "weights")),
-        TinkerLossSpec("importance_sampling", importance_sampling, _RL_INPUTS),
+        TinkerLossSpec("importance_sampling", importance_sampling, _RL_INPUTS, advantage_gated=True),
         # ppo: "currently fixed to 0.2" in the losses doc, i.e. ratio bounds 0.8 and 1.2 (tutorial 202)
-        TinkerLossSpec("ppo", ppo, _RL_INPUTS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+        TinkerLossSpec("ppo", ppo, _RL_INPUTS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+                       advantage_gated=True),
         # cispo: one-sided by default (tutorial 202's current revision; earlier revisions said 0.8/1.2)
-        TinkerLossSpec("cispo", cispo, _RL_INPUTS, {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
-        # dro: Tinker documents `beta` but no default value, so a client must send it
+        TinkerLossSpec("cispo", cispo, _RL_INPUTS, {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+                       advantage_gated=True),
+        # dro: Tinker documents `beta` but no default value, so a client must send it; its
+        # quadratic term applies where the advantage is 0, so it is not advantage-gated
         TinkerLossSpec("dro", dro, _RL_INPUTS, {"beta": None}),
     )
 }
@@ -268,14 +275,18 @@ def datum_from_tinker(tokens: Sequence[int], loss_fn_inputs: Mapping[str, object
                       loss: TinkerLoss | None = None, datum_index: int | None = None) -> Datum:
     """A Tinker datum (its `model_input` tokens, N of them, and its `loss_fn_inputs`) as our
     `Datum`: `target_tokens` as they are; a cross-entropy datum's `weights`; an RL datum's
-    `logprobs` (the sampler's) as `behaviour_logprobs` and its `advantages`, with weights all 1
-    (`TinkerLossFn` reads the advantages; the weights only mark the datum's tokens, so that
-    padding adds nothing). With `loss`, the inputs are checked against it first
+    `logprobs` (the sampler's) as `behaviour_logprobs` and its `advantages`. An RL datum's weights
+    mark the tokens `TinkerLossFn` reads (padding adds nothing): those whose advantage is not 0
+    under an advantage-gated `loss` (`TinkerLossSpec.advantage_gated`: the others add exactly
+    0), else all. With `loss`, the inputs are checked against it first
     (`TinkerLoss.check_inputs`); in any case each input must have the tokens' length N and be
     finite, or `TinkerLossError` names it (`data[i].` in front with `datum_index`).
 
     >>> datum_from_tinker([1, 2], {"target_tokens": [2, 3], "weights": [0.0, 1.0]}).weights
     (0.0, 1.0)
+    >>> rl = {"target_tokens": [2, 3], "logprobs": [0.0, -1.0], "advantages": [0.0, 0.5]}
+    >>> datum_from_tinker([1, 2], rl).weights, datum_from_tinker([1, 2], rl, loss=tinker_loss("ppo")).weights
+    ((1.0, 1.0), (0.0, 1.0))
     """
     where = "" if datum_index is None else f"data[{datum_index}]."
     inputs = {k: _as_tensor(v, k, where) for k, v in loss_fn_inputs.items()}
@@ -301,16 +312,19 @@ def datum_from_tinker(tokens: Sequence[int], loss_fn_inputs: Mapping[str, object
     targets = tuple(int(x) for x in inputs["target_tokens"].tolist())
     if not rl:
         return Datum(tuple(int(x) for x in tokens), targets, tuple(inputs["weights"].tolist()))
-    return Datum(tuple(int(x) for x in tokens), targets, (1.0,) * n,
-                 behaviour_logprobs=tuple(inputs["logprobs"].tolist()), advantages=tuple(inputs["advantages"].tolist()))
+    advantages = tuple(float(a) for a in inputs["advantages"].tolist())
+    gated = loss is not None and loss.spec.advantage_gated
+    weights = tuple(float(a != 0) for a in advantages) if gated else (1.0,) * n
+    return Datum(tuple(int(x) for x in tokens), targets, weights,
+                 behaviour_logprobs=tuple(inputs["logprobs"].tolist()), advantages=advantages)
 
 
 class TinkerLossFn:
     """A `TinkerLoss` as a `losses.LossFn`, so the learner's and the worker's `forward_backward`
     run it through the one gradient path. Its normalization is fixed to 'sum' (every micro-batch
     counts in full: the batch's loss is the sum of theirs, as Tinker's is) and it names its own
-    metrics (Tinker's `loss:sum`). It reads the tokens whose weight is not 0: all of an RL
-    datum's (`datum_from_tinker`), none of the padding."""
+    metrics (Tinker's `loss:sum`). It reads the tokens whose weight is not 0: an RL datum's
+    whose terms can be other than 0 (`datum_from_tinker`), none of the padding."""
 
     normalization = "sum"
     own_metrics = True

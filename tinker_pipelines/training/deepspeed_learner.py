@@ -57,7 +57,7 @@ from tinker_pipelines.training.learner_checkpoint import VALUE_HEAD_FILE
 from tinker_pipelines.training.master_weights import FLOAT16_REFUSED, MASTER_FILE, release
 from tinker_pipelines.training.padding import _Padded, pad_datums
 from tinker_pipelines.training.prefix_sharing import plan_prefix_sharing, supports_prefix_sharing
-from tinker_pipelines.training.gradient import Account, LossSpan, Pass, accumulate_gradients
+from tinker_pipelines.training.gradient import Account, LossSpan, Pass, Positions, accumulate_gradients
 from tinker_pipelines.types import Datum
 
 __all__ = ["DeepSpeedLearner", "deepspeed_config", "init_process_group", "is_main_process", "shard_datums"]
@@ -206,8 +206,8 @@ class DeepSpeedLearner(Learner):
     def reference_logprobs(self, padded: _Padded) -> torch.Tensor:
         return super().reference_logprobs(_to_device(padded, self.device))
 
-    def _forward(self, model, padded, only_weighted=True, values=False, **kwargs):
-        return super()._forward(model, _to_device(padded, self.device), only_weighted, values, **kwargs)
+    def _forward(self, model, padded, positions=Positions.LOSS, values=False, **kwargs):
+        return super()._forward(model, _to_device(padded, self.device), positions, values, **kwargs)
 
     # -- collective ---------------------------------------------------------------------------
     def forward_backward(self, datums: list[Datum], loss_fn: LossFn,

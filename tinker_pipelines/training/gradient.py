@@ -25,6 +25,7 @@ collectives line up; the worker puts several adapters' rows into one pass.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
@@ -47,7 +48,7 @@ class Tally(Protocol):
     error: BaseException | None
     logprobs: list[list[float]] | None
     """None, or a list the spans extend with each row's target logprobs (float32 values, one per
-    token, in the call's datum order); then the passes run the full forward (`full_forward`)."""
+    token, in the call's datum order); then the passes compute every position (`pass_positions`)."""
 
 
 @dataclass
@@ -61,10 +62,27 @@ class Account:
     """Each datum's target logprobs when the call asks for them (set it to [] before the call)."""
 
 
-def full_forward(tallies: Iterable[Tally]) -> bool:
-    """Whether a pass must compute every position's logprobs (some tally collects them): the
-    forward that skips positions before the first weighted one, or a shared prefix, reads 0 there."""
-    return any(getattr(t, "logprobs", None) is not None for t in tallies)
+class Positions(enum.Enum):
+    """Which target positions a pass's forward computes (`Learner._run_forward`). Every loss here
+    gives weight 0 exactly to positions that add nothing to it or to its gradient, which is what
+    lets a forward skip them or compute them without gradient."""
+
+    LOSS = "loss"
+    """Those that carry loss (weight != 0): the output layer runs from the first weighted position
+    on, and a prompt shared by consecutive rows runs once per run of them; positions before the
+    first weighted one, and a shared prefix's, read 0."""
+    RETURNED = "returned"
+    """Every position's logprob, only weighted ones in the autograd graph: as `LOSS`, but a shared
+    prefix's positions are computed once per run without gradient and given to each row, and a
+    pass without a weighted position runs without gradient at all (Tinker's `forward_backward`
+    returns every target logprob; a group whose rewards are all equal has no advantage)."""
+    ALL = "all"
+    """Every position, each in the graph, no prefix sharing."""
+
+
+def pass_positions(tallies: Iterable[Tally]) -> Positions:
+    """`RETURNED` when some tally collects logprobs, else `LOSS`."""
+    return Positions.RETURNED if any(getattr(t, "logprobs", None) is not None for t in tallies) else Positions.LOSS
 
 
 def own_metrics(loss_fn: LossFn) -> bool:
@@ -178,19 +196,20 @@ def span_loss(span: LossSpan, padded: _Padded, lp_BT: torch.Tensor, values_BT: t
 
 
 def accumulate_gradients(passes: Iterable[Pass], backward: Backward = torch.Tensor.backward,
-                         fail_fast: bool = True) -> None:
+                         fail_fast: bool = True) -> int:
     """Run each pass (reference, forward, every span's loss) and backpropagate the sum of its
     spans' scaled losses, so parameters accumulate each span's share of its batch's gradient.
+    Returns how many passes were backpropagated (a `Positions.RETURNED` pass without a weighted
+    position has nothing to backpropagate).
 
     `passes` is consumed lazily: a generator may leave out a failed call's rows from later
     passes. With `fail_fast`, a non-finite loss raises `FloatingPointError` before its pass's
     backward; otherwise the span's tally records it, the span is left out of the sum and the
     other spans go on (the caller discards the failed call's gradient)."""
-    for p in passes:
-        _run_pass(p, backward, fail_fast)
+    return sum(_run_pass(p, backward, fail_fast) for p in passes)
 
 
-def _run_pass(p: Pass, backward: Backward, fail_fast: bool) -> None:
+def _run_pass(p: Pass, backward: Backward, fail_fast: bool) -> bool:
     """One pass of `accumulate_gradients`. A function of its own so that the pass's outputs and
     their graph die when it returns: held by a loop's variables they would live on through the
     next pass's forward (measured: three SmolLM2 passes of 64 rows peaked at 9.3-10.1 GB with
@@ -206,13 +225,14 @@ def _run_pass(p: Pass, backward: Backward, fail_fast: bool) -> None:
             continue
         total = scaled if total is None else total + scaled
         summed.append(span)
-    if total is None:
-        return
+    if total is None or not total.requires_grad:  # no weighted position (`Positions.RETURNED`): a 0 gradient
+        return False
     if not math.isfinite(total.item()):  # finite losses whose scaled sum overflows
         error = FloatingPointError(f"non-finite sum of {len(summed)} losses at learner step {summed[0].step}")
         if fail_fast:
             raise error
         for span in summed:
             span.tally.error = error
-        return
+        return False
     backward(total)
+    return True

@@ -36,8 +36,8 @@ from tinker_pipelines.training.prefix_sharing import (PrefixPlan, plan_prefix_sh
                                              supports_prefix_sharing)
 from tinker_pipelines.rollout.truncation import target_logprobs
 from tinker_pipelines.training.rules import adam_settings, check_learner_settings
-from tinker_pipelines.training.gradient import (Account, LossSpan, Pass, accumulate_gradients, full_forward,
-                                                micro_batches, own_metrics)
+from tinker_pipelines.training.gradient import (Account, LossSpan, Pass, Positions, accumulate_gradients,
+                                                micro_batches, own_metrics, pass_positions)
 from tinker_pipelines.types import Datum
 
 
@@ -146,6 +146,7 @@ class Learner:
         # (PEFT keeps adapters fp32) step the parameters themselves
         self.masters = MasterWeights.of(self.model) if cfg.mode == "full" else None
         self._stepped = list(self.masters.stepped if self.masters is not None else self.params)
+        self._policy_stepped = list(self._stepped)
         groups = [{"params": list(self._stepped)}]
         if cfg.value_head:
             self.value_head = ValueHead(self.model.config.hidden_size).to(self.device)
@@ -205,9 +206,9 @@ class Learner:
         """The dtype the policy computes in (its base weights'; `TrainingClient.dtype`)."""
         return self.model.get_input_embeddings().weight.dtype
 
-    def _logprobs(self, model: torch.nn.Module, padded: _Padded, only_weighted: bool = True) -> torch.Tensor:
+    def _logprobs(self, model: torch.nn.Module, padded: _Padded, positions: Positions = Positions.LOSS) -> torch.Tensor:
         """Logprobs of the targets, [B, T] (see `_forward`)."""
-        return self._forward(model, padded, only_weighted)[0]
+        return self._forward(model, padded, positions)[0]
 
     def _forward(self, model: torch.nn.Module, padded: _Padded, *args,
                  **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -217,24 +218,25 @@ class Learner:
             # not self._run_forward: DeepSpeed's engine module calls this with itself as `self`
             return Learner._run_forward(self, model, padded, *args, **kwargs)
 
-    def _run_forward(self, model: torch.nn.Module, padded: _Padded, only_weighted: bool = True,
+    def _run_forward(self, model: torch.nn.Module, padded: _Padded, positions: Positions = Positions.LOSS,
                      values: bool = False, *, temperature: float | torch.Tensor | None = None,
                      truncation: tuple | None = None,
                      head: Callable[[torch.Tensor], torch.Tensor] | None = None,
                      plan: PrefixPlan | None | str = "auto",
                      sampled_support: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logprobs of the targets and, with `values`, the value head's values, both [B, T]. With
-        `only_weighted`, the output layer and the value head run only from the first weighted
-        position on (prompts carry no loss; at a 49k vocabulary the output layer and its softmax
-        are a large share of the step); earlier positions read 0. With `cfg.share_prefix`, a prompt
-        shared by consecutive datums runs once per run of them (`prefix_sharing`, the same function);
-        its positions read 0 as well. A batch of several experiments' rows (`worker.batching`)
-        passes a per-row `temperature` [B, 1, 1] and `truncation` (top_k, top_p, min_p) [B, 1],
-        its own `head` and the prefix `plan` it made. Logprobs are of the sampling distribution:
-        logits / temperature, truncated and renormalized as the sampler does (`target_logprobs`):
-        over as many tokens as the sampler kept where the datums record it (`Datum.support_sizes`;
-        the reference, `sampled_support=False`, recomputes its cut from the parameters)."""
+        """Logprobs of the targets and, with `values`, the value head's values, both [B, T], at the
+        `positions` asked for (`gradient.Positions`). Skipping what carries no loss pays: at a 49k
+        vocabulary the output layer and its softmax are a large share of the step, and a group's
+        prompt is most of each row. With `cfg.share_prefix`, a prompt shared by consecutive datums
+        runs once per run of them (`prefix_sharing`, the same function); values read 0 there. A
+        batch of several experiments' rows (`worker.batching`) passes a per-row `temperature`
+        [B, 1, 1] and `truncation` (top_k, top_p, min_p) [B, 1], its own `head` and the prefix
+        `plan` it made. Logprobs are of the sampling distribution: logits / temperature, truncated
+        and renormalized as the sampler does (`target_logprobs`): over as many tokens as the
+        sampler kept where the datums record it (`Datum.support_sizes`; the reference,
+        `sampled_support=False`, recomputes its cut from the parameters)."""
         B, T = padded.inputs_BT.shape
+        weights_BT = padded.fields["weights"]
         temperature = self.cfg.temperature if temperature is None else temperature
         if truncation is None:
             truncation = (self.cfg.top_k, self.cfg.top_p, self.cfg.min_p)
@@ -242,16 +244,20 @@ class Learner:
         support_BT = padded.fields.get("support_sizes") if sampled_support else None
         if support_BT is not None and not bool(support_BT.any()):
             support_BT = None
-        if only_weighted and self.cfg.share_prefix and supports_prefix_sharing(model):
+        if positions is Positions.RETURNED and not bool(weights_BT.any()):
+            with torch.no_grad():  # no position carries loss: nothing to differentiate
+                return self._run_forward(model, padded, Positions.ALL, values, temperature=temperature,
+                                         truncation=truncation, head=head, plan=None, sampled_support=sampled_support)
+        if positions is not Positions.ALL and self.cfg.share_prefix and supports_prefix_sharing(model):
             if isinstance(plan, str):
-                plan = plan_prefix_sharing(padded.inputs_BT, padded.mask_BT, padded.fields["weights"])
+                plan = plan_prefix_sharing(padded.inputs_BT, padded.mask_BT, weights_BT)
             if plan is not None:
-                return shared_prefix_forward(model, plan, padded.inputs_BT, padded.targets_BT, padded.fields["weights"],
-                                             temperature, head, truncation=truncation, support_BT=support_BT)
+                return shared_prefix_forward(model, plan, padded.inputs_BT, padded.targets_BT, weights_BT,
+                                             temperature, head, truncation=truncation, support_BT=support_BT,
+                                             every_position=positions is Positions.RETURNED)
         start = 0
-        if only_weighted:
-            weighted_B = padded.fields["weights"].ne(0).float().argmax(dim=1)
-            start = int(weighted_B.min()) if padded.fields["weights"].any() else 0
+        if positions is Positions.LOSS and bool(weights_BT.any()):
+            start = int(weights_BT.ne(0).float().argmax(dim=1).min())
         out = model(input_ids=padded.inputs_BT, attention_mask=padded.mask_BT, logits_to_keep=T - start,
                     output_hidden_states=head is not None)
         lp_BK = target_logprobs(out.logits, padded.targets_BT[:, start:], temperature, *truncation,
@@ -296,7 +302,7 @@ class Learner:
         """Current policy's logprob of every target token, per datum."""
         self.activate()
         padded = pad_datums(datums, self.pad_token_id, self.device)
-        lp_BT = self._logprobs(self.model, padded, only_weighted=False)
+        lp_BT = self._logprobs(self.model, padded, Positions.ALL)
         return [lp_BT[i, : len(d.input_tokens)].tolist() for i, d in enumerate(datums)]
 
     @torch.no_grad()
@@ -338,10 +344,14 @@ class Learner:
         self.activate()
         total_w = sum(sum(d.weights) for d in datums)
         try:
-            accumulate_gradients(self._passes(datums, loss_fn, loss_cfg, total_w, tally))
+            backpropagated = accumulate_gradients(self._passes(datums, loss_fn, loss_cfg, total_w, tally))
         except FloatingPointError:
             self.optimizer.zero_grad(set_to_none=True)
             raise
+        if not backpropagated:  # no pass had a weighted position: the policy's gradient is 0, which
+            for p in self._policy_stepped:  # Adam steps with (its moments move), unlike a missing one
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
         if not own_metrics(loss_fn):
             tally.totals["trained_tokens"] = total_w
         return tally.totals
@@ -349,12 +359,12 @@ class Learner:
     def _passes(self, datums: list[Datum], loss_fn: LossFn, loss_cfg: LossConfig, total_w: float,
                 tally: Account) -> Iterator[Pass]:
         """One pass per micro-batch, padded as it is reached (one micro-batch's tensors at a time)."""
-        only_weighted = not full_forward([tally])
+        positions = pass_positions([tally])
         for chunk in self.micro_batches(datums):
             padded = pad_datums(chunk, self.pad_token_id, self.device)
             span = LossSpan(0, len(chunk), loss_fn, loss_cfg, total_w, len(datums), self.steps, tally,
                             needs_reference=self.cfg.needs_reference, values=self.value_head is not None)
-            yield Pass(padded, [span], functools.partial(self._forward, self.model, padded, only_weighted,
+            yield Pass(padded, [span], functools.partial(self._forward, self.model, padded, positions,
                                                          values=span.values),
                        functools.partial(self.reference_logprobs, padded))
 

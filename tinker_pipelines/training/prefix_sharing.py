@@ -11,6 +11,9 @@ tokens once per run instead of once per datum.
 
 The prefix of a run always ends before the first weighted target position of each member, so
 every position that carries loss (multi-turn episodes included) is computed in the continuation.
+A caller that needs every position's logprob (Tinker's `forward_backward` returns them) asks for
+`every_position`: the prefix's positions then come from the prefix pass's logits, without
+gradient (they carry no loss), once per run instead of once per row with gradient.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from tinker_pipelines.rollout.truncation import target_logprobs
+from tinker_pipelines.rollout.truncation import CHUNK_ELEMENTS, target_logprobs
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 """Architectures whose forward is verified to take a grad-carrying `DynamicCache`, explicit
@@ -115,14 +118,15 @@ def _additive_mask(plan: PrefixPlan, Lp: int, Lc: int, dtype: torch.dtype) -> to
 
 
 def shared_prefix_forward(model: torch.nn.Module, plan: PrefixPlan, inputs_BT: torch.Tensor,
-                          targets_BT: torch.Tensor, weights_BT: torch.Tensor, temperature: float,
+                          targets_BT: torch.Tensor, weights_BT: torch.Tensor, temperature: float | torch.Tensor,
                           value_head: torch.nn.Module | None = None,
-                          truncation: tuple = (0, 1.0, 0.0), support_BT: torch.Tensor | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          truncation: tuple = (0, 1.0, 0.0), support_BT: torch.Tensor | None = None,
+                          every_position: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs of the targets and (with `value_head`) values, both [B, T]; positions before the
-    first weighted continuation position of the micro-batch, and each run's prefix, read 0.
-    `truncation` is the sampler's (top_k, top_p, min_p) and `support_BT` the sizes of the sets
-    it kept (`rollout.truncation.target_logprobs`)."""
+    first weighted continuation position of the micro-batch, and each run's prefix, read 0 (with
+    `every_position`, their logprobs are computed: the prefix's without gradient). `truncation`
+    is the sampler's (top_k, top_p, min_p) and `support_BT` the sizes of the sets it kept
+    (`rollout.truncation.target_logprobs`); per-row parameters are [B, 1] ([B, 1, 1] temperature)."""
     B, T = inputs_BT.shape
     device = inputs_BT.device
     run_B, plen_P = plan.run_B.to(device), plan.prefix_len_P.to(device)
@@ -135,7 +139,10 @@ def shared_prefix_forward(model: torch.nn.Module, plan: PrefixPlan, inputs_BT: t
         0, run_B, torch.arange(B, device=device), "amin", include_self=False)
     prefix_PL = inputs_BT[first_B, :Lp]
     cache = DynamicCache(config=model.config)
-    model(input_ids=prefix_PL, cache=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=prefix_PL, cache=cache, use_cache=True, logits_to_keep=Lp if every_position else 1)
+    prefix_BT = _prefix_logprobs(out.logits.detach(), plan, targets_BT, temperature, truncation,
+                                 support_BT) if every_position else None
+    del out  # its logits: the output layer's graph over the prefix goes with them
     expanded = DynamicCache(ddp_cache_data=[(layer.keys.index_select(0, run_B), layer.values.index_select(0, run_B))
                                             for layer in cache.layers], config=model.config)
 
@@ -146,7 +153,9 @@ def shared_prefix_forward(model: torch.nn.Module, plan: PrefixPlan, inputs_BT: t
     gather_BC = torch.where(valid_BC, pos_BC, 0)
     cont_BC = torch.where(valid_BC, inputs_BT.gather(1, gather_BC), inputs_BT[0, 0])
     weighted_BC = weights_BT.gather(1, gather_BC).ne(0) & valid_BC
-    start = int(weighted_BC.float().argmax(dim=1)[weighted_BC.any(dim=1)].min()) if weighted_BC.any() else 0
+    start = 0
+    if weighted_BC.any() and not every_position:
+        start = int(weighted_BC.float().argmax(dim=1)[weighted_BC.any(dim=1)].min())
     dtype = model.get_input_embeddings().weight.dtype
     out = model(input_ids=cont_BC, attention_mask=_additive_mask(plan, Lp, Lc, dtype).to(device),
                 position_ids=pos_BC, cache=expanded, use_cache=True, logits_to_keep=Lc - start,
@@ -162,4 +171,32 @@ def shared_prefix_forward(model: torch.nn.Module, plan: PrefixPlan, inputs_BT: t
         return torch.zeros(B, T + Lc, dtype=x_BK.dtype, device=device).scatter(1, scatter_BK, x_BK)[:, :T]
 
     values_BT = to_rows(value_head(out.hidden_states[-1][:, start:])) if value_head is not None else None
-    return to_rows(lp_BK), values_BT
+    lp_BT = to_rows(lp_BK)
+    return (lp_BT if prefix_BT is None else lp_BT + prefix_BT), values_BT
+
+
+@torch.no_grad()
+def _prefix_logprobs(logits_PLV: torch.Tensor, plan: PrefixPlan, targets_BT: torch.Tensor,
+                     temperature: float | torch.Tensor, truncation: tuple,
+                     support_BT: torch.Tensor | None) -> torch.Tensor:
+    """Each row's target logprobs at its run's prefix positions, from the prefix rows' logits
+    [P, Lp, V], 0 elsewhere; [B, T] fp32. Rows take their own targets and sampling parameters
+    (a client's targets need not be the next input token), a bounded number of rows at a time."""
+    B, T = targets_BT.shape
+    _, Lp, V = logits_PLV.shape
+    device = logits_PLV.device
+    run_B = plan.run_B.to(device)
+    in_prefix_BL = torch.arange(Lp, device=device)[None, :] < plan.prefix_len_P.to(device)[run_B][:, None]
+    out_BT = torch.zeros(B, T, dtype=torch.float32, device=device)
+    step = max(1, CHUNK_ELEMENTS // (Lp * V))
+
+    def rows(x, s: slice):  # a per-row parameter's rows `s`; a number as it is
+        return x[s] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+
+    for i in range(0, B, step):
+        s = slice(i, min(B, i + step))
+        lp_RL = target_logprobs(logits_PLV.index_select(0, run_B[s]), targets_BT[s, :Lp], rows(temperature, s),
+                                *(rows(x, s) for x in truncation),
+                                support_BK=support_BT[s, :Lp] if support_BT is not None else None)
+        out_BT[s, :Lp] = torch.where(in_prefix_BL[s], lp_RL, 0.0)
+    return out_BT

@@ -27,7 +27,7 @@ from tinker_pipelines.training.learner import Learner
 from tinker_pipelines.training.lora_linear import adapters_disabled, lora_linear
 from tinker_pipelines.training.padding import _Padded, pad_datums
 from tinker_pipelines.training.prefix_sharing import PrefixPlan, plan_prefix_sharing, supports_prefix_sharing
-from tinker_pipelines.training.gradient import LossSpan, Pass, accumulate_gradients, full_forward, own_metrics
+from tinker_pipelines.training.gradient import LossSpan, Pass, accumulate_gradients, own_metrics, pass_positions
 from tinker_pipelines.types import Datum
 
 Segments = list[tuple[int, int, str | None]]
@@ -196,12 +196,12 @@ def _one_pass(model: torch.nn.Module, members: list[tuple[FBJob, list[Datum]]]) 
             return lead._forward(model, padded, temperature=temp_B11, truncation=truncation, head=None,
                                  plan=plan, sampled_support=False)[0]
 
-    only_weighted = not full_forward(j for j, _ in members)
+    positions = pass_positions(j for j, _ in members)
 
     def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
         with adapters_disabled(model), row_adapters(model, layouts):
             _thaw(members)  # PEFT froze them: `set_adapter` of another adapter (and `disable_adapter`, the fallback)
-            out = lead._forward(model, padded, only_weighted, values=head is not None, temperature=temp_B11,
+            out = lead._forward(model, padded, positions, values=head is not None, temperature=temp_B11,
                                 truncation=truncation, head=head, plan=plan)
         _thaw(members)  # leaving a fallback `disable_adapter` froze them again: a frozen leaf drops its gradient
         return out

@@ -89,6 +89,7 @@ class WorkerServer:
         self._clients: set[int] = set()
         self._next_client = 0
         self._stopping = threading.Event()
+        self._signalled = False
         self._listener: Listener | None = None
         self._batched = {Op.SAMPLE: engine.sample, Op.FORWARD_BACKWARD: engine.forward_backward}
         self._handlers = self._handler_table()
@@ -122,7 +123,7 @@ class WorkerServer:
 
     def serve_forever(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop())
+            signal.signal(sig, self._on_signal)
         # The base model and the libraries live as long as the worker: out of the collector's full
         # passes, which otherwise walk their ~0.4M objects again and again (~0.1 s each, mid-request)
         gc.collect()
@@ -131,10 +132,17 @@ class WorkerServer:
         print(f"worker ready: socket={self.address} base={self.engine.base} device={self.engine.device} "
               f"batching={'on' if self.engine.cfg.batching else 'off'}", flush=True)
         try:
-            while not self._stopping.wait(0.5):
+            while not (self._signalled or self._stopping.wait(0.5)):
                 pass
         finally:
             self.stop()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        """SIGTERM / SIGINT: the serving loop stops within its next wake-up. A handler runs in the
+        main thread between any two of its bytecodes, possibly while that thread holds the lock
+        of `_stopping` (inside `Event.wait`), so it takes no lock: `stop()` here deadlocked the
+        worker (it then outlived its killed service)."""
+        self._signalled = True
 
     def stop(self) -> None:
         if self._stopping.is_set() and self._listener is None:

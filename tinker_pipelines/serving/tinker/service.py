@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from tinker import types
 
+from tinker_pipelines.algorithms.tinker_losses import TinkerLoss, datum_from_tinker
 from tinker_pipelines.serving.tinker import wire
 from tinker_pipelines.serving.tinker.futures import Failed, Futures, Proto, Result, SeqQueue
 from tinker_pipelines.serving.tinker.runtime import LoraShape, Runtime, Trainer
@@ -291,7 +292,7 @@ class Service:
     def forward_backward(self, call: wire.ForwardBackwardCall) -> str:
         async def work(m: Model) -> Result:
             vocab = self.runtime.info.get("vocab_size")
-            datums = [_datum(d, i, vocab, self.runtime.max_context) for i, d in enumerate(call.data)]
+            datums = [_datum(d, i, call.loss, vocab, self.runtime.max_context) for i, d in enumerate(call.data)]
             logprobs, metrics = await asyncio.to_thread(self.runtime.forward_backward, m.trainer, datums,
                                                         call.loss.name, dict(call.loss.config), call.forward_only)
             if not call.forward_only:
@@ -502,9 +503,7 @@ def _size(d: Path) -> int:
     return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
 
 
-def _datum(d: wire.TinkerDatum, i: int, vocab: int | None, max_context: int | None) -> Datum:
-    from tinker_pipelines.algorithms.tinker_losses import datum_from_tinker
-
+def _datum(d: wire.TinkerDatum, i: int, loss: TinkerLoss, vocab: int | None, max_context: int | None) -> Datum:
     if max_context is not None and len(d.tokens) > max_context:
         raise Invalid(f"data[{i}].model_input has {len(d.tokens)} tokens, beyond the model's context of "
                       f"{max_context}", f"data[{i}].model_input")
@@ -515,7 +514,7 @@ def _datum(d: wire.TinkerDatum, i: int, vocab: int | None, max_context: int | No
             where = "model_input" if bad in d.tokens else "loss_fn_inputs.target_tokens"
             raise Invalid(f"data[{i}].{where} has token id {bad}, outside the vocabulary [0, {vocab})",
                           f"data[{i}].{where}")
-    return datum_from_tinker(d.tokens, d.inputs)
+    return datum_from_tinker(d.tokens, d.inputs, loss=loss, datum_index=i)
 
 
 def _sequences(answer: Answer, req: types.SampleRequest) -> tuple[list[wire.Sequence], list | None]:

@@ -353,3 +353,5 @@ def test_tinker_serve_refuses_a_public_host_without_a_key(tmp_path, capsys):
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "no-such-model" in err
     rc, err = main(["tinker", "serve", "--model", "tiny", "--memory-gb", "0", "--home", home], capsys)
     assert rc == 2 and err.strip() == "error: --memory-gb must be > 0, got 0.0"
+    rc, err = main(["tinker", "serve", "--model", "tiny", "--pass-tokens", "-1", "--home", home], capsys)
+    assert rc == 2 and err.strip() == "error: --pass-tokens must be >= 0 (0: one pass per call), got -1"

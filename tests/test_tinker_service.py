@@ -101,6 +101,47 @@ def test_cross_entropy_step_equals_the_in_process_learner_exactly(client, tmp_pa
     assert float(-(torch.cat(lp) * weights).sum()) == pytest.approx(fb.metrics["loss:sum"], rel=1e-6)
 
 
+def _group_datums(seed: int) -> list[types.Datum]:
+    """A recipe's RL step: groups of samples of one prompt, advantage 0 on the prompt (and on a
+    whole group whose rewards were equal), sampling logprob 0 there."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(3):
+        prompt = rng.integers(3, 60, 12).tolist()
+        for _ in range(4):
+            reply = rng.integers(3, 60, int(rng.integers(2, 5))).tolist()
+            tokens = prompt + reply
+            adv = 0.0 if g == 2 else float(rng.choice([-0.5, 0.5, 1.0]))
+            advantages = [0.0] * (len(prompt) - 1) + [adv] * len(reply)
+            logprobs = [0.0] * (len(prompt) - 1) + (-rng.random(len(reply)) * 2).tolist()
+            out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+                "target_tokens": types.TensorData.from_numpy(np.asarray(tokens[1:], np.int64)),
+                "logprobs": types.TensorData.from_numpy(np.asarray(logprobs, np.float32)),
+                "advantages": types.TensorData.from_numpy(np.asarray(advantages, np.float32))}))
+    return out
+
+
+def test_rl_steps_over_shared_prompts_equal_the_in_process_learner_exactly(client):
+    """The service weights only the tokens an advantage-gated loss reads and shares each group's
+    prompt; the in-process learner given the same datums (as the service takes them) agrees bit
+    for bit, every prompt position's logprob included."""
+    loss = tinker_loss("importance_sampling")
+    tc = client.create_lora_training_client("tiny", rank=4, seed=5).result()
+    local = _local_learner(LoraShape(4, 5))
+    for step in range(2):
+        data = _group_datums(step)
+        fb = tc.forward_backward(data, "importance_sampling").result()
+        tc.optim_step(ADAM).result()
+        mine = [datum_from_tinker(d.model_input.to_ints(), {k: v.to_torch() for k, v in d.loss_fn_inputs.items()},
+                                  loss=loss) for d in data]
+        assert sum(w == 0 for d in mine for w in d.weights) > sum(len(d.input_tokens) for d in mine) // 2
+        lp, m = local.tinker_forward_backward(mine, loss)
+        local.optim_step(ADAM.model_dump())
+        assert fb.metrics["loss:sum"] == m["loss:sum"]
+        got = [o["logprobs"].to_torch().tolist() for o in fb.loss_fn_outputs]
+        assert got == lp and all(x != 0.0 for row in got for x in row)
+
+
 def test_sample_equals_the_in_process_sampler_at_the_same_seed(client):
     sc = client.create_sampling_client(base_model="tiny").result()
     prompt = types.ModelInput.from_ints([3, 4, 5, 6])

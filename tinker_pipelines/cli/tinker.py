@@ -33,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--memory-gb", type=float, default=16.0,
                    help="GB of device memory the worker's lease reserves (base, adapters, activations)")
     s.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank a client may ask for")
+    s.add_argument("--pass-tokens", type=int, default=None,
+                   help="padded tokens per forward pass of a client's forward_backward (bounds its activations; "
+                        "0: each call in one pass; default: training.rules.TINKER_PASS_TOKENS)")
     s.add_argument("--dagster-url", default="",
                    help="the Dagster webserver (e.g. http://127.0.0.1:3000) to report each saved checkpoint to as "
                         "an asset materialization of ['tinker', MODEL]")
@@ -56,6 +59,8 @@ def _settings(args: argparse.Namespace):
     for name in ("max_body_mb", "gap_timeout_s", "memory_gb", "max_lora_rank"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.pass_tokens is not None and args.pass_tokens < 0:
+        raise ValueError(f"--pass-tokens must be >= 0 (0: one pass per call), got {args.pass_tokens}")
     from tinker_pipelines.models import check_model_name
 
     check_model_name(args.model)
@@ -84,7 +89,8 @@ def cmd_tinker_serve(args: argparse.Namespace) -> int:
             tracker = _tracker(args)
         handle = start_service(args.model, args.port, Path(args.home), settings.api_key, args.host, args.device,
                                args.dtype, tracker=tracker, gap_timeout_s=args.gap_timeout_s, settings=settings,
-                               lease=_lease(args), max_lora_rank=args.max_lora_rank)
+                               lease=_lease(args), max_lora_rank=args.max_lora_rank,
+                               **({} if args.pass_tokens is None else {"pass_tokens": args.pass_tokens}))
     except (ValueError, WorkerError, RuntimeError, OSError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1

@@ -24,6 +24,7 @@ from tinker_pipelines.serving.launch import DEFAULT_HOST, build_server, serving_
 from tinker_pipelines.serving.tinker.app import TinkerSettings, add_tinker_routes
 from tinker_pipelines.serving.tinker.runtime import Runtime
 from tinker_pipelines.serving.tinker.service import Service
+from tinker_pipelines.training.rules import TINKER_PASS_TOKENS
 
 
 def check_host(host: str, api_key: str | None) -> None:
@@ -112,11 +113,12 @@ class ServiceHandle:
 
 
 def build_app(model: str, worker_address: Path, home: Path, settings: TinkerSettings, tracker: Any = None,
-              gap_timeout_s: float = 60.0, max_lora_rank: int = 64) -> tuple[Any, Service]:
+              gap_timeout_s: float = 60.0, max_lora_rank: int = 64,
+              pass_tokens: int = TINKER_PASS_TOKENS) -> tuple[Any, Service]:
     """The app: the OpenAI endpoint over the worker, with Tinker's routes added."""
     from tinker_pipelines.serving.app import build_app as build_openai_app
 
-    runtime = Runtime(worker_address)
+    runtime = Runtime(worker_address, pass_tokens=pass_tokens)
     service = Service(runtime, model, home, tracker=tracker, gap_timeout_s=gap_timeout_s,
                       base_aliases=base_aliases(model), max_lora_rank=max_lora_rank)
     server = build_server(model=model, worker=str(worker_address), use_registry=tracker is not None)
@@ -127,7 +129,7 @@ def start_service(model: str, port: int = 0, home: Path | None = None, api_key: 
                   host: str = DEFAULT_HOST, device: str = "auto", dtype: str = "auto", tracker: Any = None,
                   gap_timeout_s: float = 60.0, worker_args: list[str] | None = None,
                   settings: TinkerSettings | None = None, lease: DeviceLease | None = None,
-                  max_lora_rank: int = 64) -> ServiceHandle:
+                  max_lora_rank: int = 64, pass_tokens: int = TINKER_PASS_TOKENS) -> ServiceHandle:
     """Start a worker for `model` under a device lease and serve it in a thread of this process."""
     import tempfile
 
@@ -153,7 +155,7 @@ def start_service(model: str, port: int = 0, home: Path | None = None, api_key: 
     (home / "worker.pid").write_text(str(worker.pid))
     try:
         settings = settings or TinkerSettings(api_key=api_key)
-        app, service = build_app(model, address, home, settings, tracker, gap_timeout_s, max_lora_rank)
+        app, service = build_app(model, address, home, settings, tracker, gap_timeout_s, max_lora_rank, pass_tokens)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tinker_pipelines.training.rules import tinker_lora_settings
+from tinker_pipelines.training.rules import TINKER_PASS_TOKENS, tinker_lora_settings
 from tinker_pipelines.worker import WorkerError
 from tinker_pipelines.worker.client import WorkerClient
 
@@ -63,9 +63,11 @@ class Trainer:
 class Runtime:
     """The worker at `address` (already running), as the Tinker service uses it."""
 
-    def __init__(self, address: str | Path, keep_snapshots: int = 2):
+    def __init__(self, address: str | Path, keep_snapshots: int = 2, pass_tokens: int = TINKER_PASS_TOKENS):
         self.address = str(address)
         self.keep_snapshots = keep_snapshots
+        self.pass_tokens = pass_tokens
+        """Padded tokens per forward pass of a client's `forward_backward` (0: the whole call in one)."""
         """Ephemeral sampler adapters kept per client: a sampler made two saves ago may still be sampling."""
         probe = WorkerClient(self.address)
         self.info = probe.info
@@ -81,7 +83,7 @@ class Runtime:
         conn = WorkerClient(self.address)
         name = _adapter_name("t")
         try:
-            conn.create(name, lora.learner(), lora.seed, base_name=base_name)
+            conn.create(name, {**lora.learner(), "micro_batch_tokens": self.pass_tokens}, lora.seed, base_name=base_name)
         except BaseException:
             conn.close()
             raise

@@ -246,8 +246,9 @@ class Learner:
             support_BT = None
         if positions is Positions.RETURNED and not bool(weights_BT.any()):
             with torch.no_grad():  # no position carries loss: nothing to differentiate
-                return self._run_forward(model, padded, Positions.ALL, values, temperature=temperature,
-                                         truncation=truncation, head=head, plan=None, sampled_support=sampled_support)
+                return Learner._run_forward(self, model, padded, Positions.ALL, values, temperature=temperature,
+                                            truncation=truncation, head=head, plan=None,
+                                            sampled_support=sampled_support)
         if positions is not Positions.ALL and self.cfg.share_prefix and supports_prefix_sharing(model):
             if isinstance(plan, str):
                 plan = plan_prefix_sharing(padded.inputs_BT, padded.mask_BT, weights_BT)

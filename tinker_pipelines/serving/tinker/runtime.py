@@ -66,9 +66,9 @@ class Runtime:
     def __init__(self, address: str | Path, keep_snapshots: int = 2, pass_tokens: int = TINKER_PASS_TOKENS):
         self.address = str(address)
         self.keep_snapshots = keep_snapshots
+        """Ephemeral sampler adapters kept per client: a sampler made two saves ago may still be sampling."""
         self.pass_tokens = pass_tokens
         """Padded tokens per forward pass of a client's `forward_backward` (0: the whole call in one)."""
-        """Ephemeral sampler adapters kept per client: a sampler made two saves ago may still be sampling."""
         probe = WorkerClient(self.address)
         self.info = probe.info
         probe.close()

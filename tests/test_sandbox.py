@@ -567,3 +567,4 @@ def test_the_suite_passes_as_an_unprivileged_user() -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     # Every test ran as the user, with every layer: only this one, which needs root, is skipped.
     assert "1 skipped" in summary and "failed" not in summary and "error" not in summary, done.stdout[-3000:]
+    assert "running unprivileged already" in done.stdout, done.stdout[-3000:]  # the skip says why: euid != 0

@@ -1,5 +1,5 @@
 """tinker-cookbook's recipes, unmodified, from their own environment (`.venv-cookbook`, made
-by `scripts/setup_cookbook`, which CI runs), against our Tinker service over HTTP."""
+by `scripts/setup_cookbook`, which `scripts/setup` runs last), against our Tinker service over HTTP."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_a_two_step_math_rl_run_of_the_cookbook_completes(tmp_path):
-    assert cr.COOKBOOK_PYTHON.exists(), "no .venv-cookbook: run scripts/setup_cookbook (CI does)"
+    assert cr.COOKBOOK_PYTHON.exists(), "no .venv-cookbook: run scripts/setup (or scripts/setup_cookbook alone)"
     model_dir, _ = write_model_dir("tiny", tmp_path / "tiny-dir")
     handle = start_service(str(model_dir), home=tmp_path / "service", api_key=cr.API_KEY, device="cpu",
                            dtype="float32")

@@ -255,7 +255,7 @@ def test_sft_examples_are_consistent():
 
 
 _TOOLS_RUN = """
-import json, tempfile
+import json, os, tempfile
 from tinker_pipelines.config import config_from_dict
 from tinker_pipelines.envs.tool_env import MultiplyEnv
 from tinker_pipelines.envs.tools import format_tool_call
@@ -271,7 +271,7 @@ cfg = config_from_dict({
     "training": {"mode": "lora", "iterations": 2, "groups_per_batch": 2, "group_size": 2, "max_new_tokens": 8},
     "eval": {"every": 2, "num_tasks": 2}})
 metrics = list(train(cfg))
-print(json.dumps({"tool": seen[0]["content"], "iterations": len(metrics)}))
+print(json.dumps({"uid": os.getuid(), "tool": seen[0]["content"], "iterations": len(metrics)}))
 """
 
 
@@ -289,5 +289,6 @@ def test_tool_env_and_its_ppo_run_work_as_an_unprivileged_user():
         shutil.rmtree(copy)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert out == {"tool": "42 1000\n", "iterations": 2}  # uid 1000 inside: the sandbox's, every layer up
+    # uid 65534 outside; uid 1000 inside: the sandbox's, every layer up
+    assert out == {"uid": 65534, "tool": "42 1000\n", "iterations": 2}
     assert suite.returncode == 0 and "1 skipped" in suite.stdout.splitlines()[-1], suite.stdout[-3000:] + suite.stderr[-2000:]

@@ -1,9 +1,10 @@
 """Run tests again as an unprivileged user (uid 65534), as a cluster user would run them.
 
 CI runs as root. This drops to uid 65534 with `setpriv`, from a world-readable copy of the
-package and the named test files, in a private mount namespace where an interpreter installed
-under a directory others cannot enter (pyenv under /root) is made reachable: a tmpfs with mode
-0755 over that directory and the interpreter's tree bound back into it. Nothing else of it shows.
+package and the named test files, in a private mount namespace where our interpreter is made
+reachable even when it lives under a directory others cannot enter: the base interpreter (pyenv
+under /root) and the venv itself (a checkout under /root, mode 0700). Over each such directory
+goes a tmpfs with mode 0755, and the two trees are bound back into it; nothing else of it shows.
 """
 
 from __future__ import annotations
@@ -20,13 +21,29 @@ REPO = Path(__file__).resolve().parents[1]
 UID = 65534
 
 
-def _hidden_ancestor(path: Path) -> tuple[Path, Path] | None:
-    """(the first directory above ``path`` that others cannot enter, its child on the way), if any."""
-    parts = [path, *path.parents][::-1]
-    for parent, child in zip(parts, parts[1:]):
-        if not os.stat(parent).st_mode & 0o001:
-            return parent, child
+def _hidden_ancestor(path: Path) -> Path | None:
+    """The first directory above ``path`` that others cannot enter, if any."""
+    for directory in reversed(path.parents):
+        if not os.stat(directory).st_mode & 0o001:
+            return directory
     return None
+
+
+def _reveal_lines(trees: list[Path]) -> list[str]:
+    """Shell lines that make ``trees`` reachable: each is staged by a bind mount, a tmpfs covers
+    every hidden directory above one (their first hidden ancestors never nest), then each is moved
+    back to its own path inside it. Nested trees go with the outer one."""
+    outer = [t for t in sorted(set(trees)) if not any(o != t and o in t.parents for o in trees)]
+    hidden = {t: h for t in outer if (h := _hidden_ancestor(t))}
+    lines = []
+    for i, tree in enumerate(hidden):
+        lines += [f"stage{i}=$(mktemp -d)", f"mount --bind {shlex.quote(str(tree))} \"$stage{i}\""]
+    for directory in sorted(set(hidden.values())):
+        lines.append(f"mount -t tmpfs -o mode=755 tmpfs {shlex.quote(str(directory))}")
+    for i, tree in enumerate(hidden):
+        lines += [f"mkdir -p {shlex.quote(str(tree))}", f"mount --move \"$stage{i}\" {shlex.quote(str(tree))}",
+                  f"rmdir \"$stage{i}\""]
+    return lines
 
 
 def world_readable_copy(test_files: list[str]) -> Path:
@@ -46,14 +63,11 @@ def world_readable_copy(test_files: list[str]) -> Path:
 
 
 def run_as_unprivileged(argv: list[str], copy: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """``argv`` (its first item, "python", means ours) as uid 65534 in ``copy``."""
-    python = Path(os.path.realpath(sys.executable))
-    lines = ["set -e"]
-    if hidden := _hidden_ancestor(python):
-        parent, child = hidden
-        lines += [f"stage=$(mktemp -d)", f"mount --bind {shlex.quote(str(child))} \"$stage\"",
-                  f"mount -t tmpfs -o mode=755 tmpfs {shlex.quote(str(parent))}",
-                  f"mkdir -p {shlex.quote(str(child))}", f"mount --move \"$stage\" {shlex.quote(str(child))}"]
+    """``argv`` (its first item, "python", means ours: this venv's, with its packages) as uid 65534 in ``copy``."""
+    # The venv (sys.prefix) holds the packages and the interpreter's link; the link's target lies
+    # in the base installation (sys.base_prefix, or wherever the link resolves to).
+    base = Path(os.path.realpath(sys.executable)).parent.parent
+    lines = ["set -e", *_reveal_lines([Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), base])]
     argv = [sys.executable if argv[0] == "python" else argv[0], *argv[1:]]
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "PYTHONPATH": str(copy),
            "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8"}

@@ -20,10 +20,9 @@ from tinker_pipelines.algorithms.tinker_losses import TinkerLossFn, check_tinker
 from tinker_pipelines.training.gradient import Account
 from tinker_pipelines.training.allocator import HeapGrowth
 from tinker_pipelines.training.learner import Learner, LearnerConfig
+from tinker_pipelines.rollout.prompt_scores import PromptScores, PromptScoring, check_scoring, score_prompts
 from tinker_pipelines.rollout.sampler import BASE, Sample, Sampler, SampleRequest
-from tinker_pipelines.rollout.truncation import target_logprobs
 from tinker_pipelines.training.lora_linear import adapters_disabled
-from tinker_pipelines.training.padding import pad_datums
 from tinker_pipelines.types import Datum
 from tinker_pipelines.worker.batching import FBJob, forward_backward_together
 from tinker_pipelines.worker.messages import error_reply
@@ -264,17 +263,19 @@ class Engine:
     def sample(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Requests: {adapter, prompts, max_new_tokens, temperature, generator_state} and optional
         top_k (-1 or 0: off), top_p, min_p, stop, top_logprobs (`SampleRequest`'s), and Tinker's
-        seed, stop_token_ids, num_samples and prompt_logprobs. Adapter '' samples the base without
-        any adapter. Each reply has the samples (tokens, logprobs, stop_reason, stop_string,
-        support, top_logprobs; `num_samples` per prompt, prompt by prompt), the advanced generator
-        state, and with `prompt_logprobs` each prompt's (or an error of its own: one client's bad
-        request never fails the others batched with it)."""
+        seed, stop_token_ids, num_samples, prompt_logprobs and prompt_scoring. Adapter '' samples
+        the base without any adapter. Each reply has the samples (tokens, logprobs, stop_reason,
+        stop_string, support, top_logprobs; `num_samples` per prompt, prompt by prompt), the
+        advanced generator state, and with `prompt_logprobs` / `prompt_scoring` each prompt's
+        scores, from one forward over the prompt whatever `num_samples` (or an error of its own:
+        one client's bad request never fails the others batched with it)."""
         replies: list[dict[str, Any] | None] = [None] * len(requests)
         ready: list[tuple[int, SampleRequest, torch.Generator]] = []
         for i, r in enumerate(requests):
             try:
                 req = self._sample_request(r)
                 self.sampler._check(req)
+                self._scoring(r)
                 ready.append((i, req, req.generator))
             except (RequestError, ValueError, KeyError, TypeError) as e:
                 replies[i] = _error(e)
@@ -303,30 +304,44 @@ class Engine:
                              for s in samples],
                  "generator_state": gen.get_state().numpy().tobytes()
                  if r.get("generator_state") is not None else None}
-        if r.get("prompt_logprobs"):
+        scoring = self._scoring(r)
+        if scoring is not None:
             try:
-                reply["prompt_logprobs"] = self.prompt_logprobs(req.adapter, [list(p) for p in r["prompts"]])
+                scores = self.prompt_scores(req.adapter, [list(p) for p in r["prompts"]], scoring)
             except Exception as e:  # noqa: BLE001 - this request's error alone
                 return _error(e)
+            if r.get("prompt_logprobs"):
+                reply["prompt_logprobs"] = [[math.nan] * s.first + list(s.logprobs) for s in scores]
+            else:
+                reply["prompt_scores"] = scores
         return reply
 
+    def _scoring(self, r: dict[str, Any]) -> list[PromptScoring] | None:
+        """Each prompt's `PromptScoring` (`prompt_logprobs`: every position's logprob); None: none
+        asked. RequestError naming what does not fit the prompts."""
+        asked = r.get("prompt_scoring") or []
+        if r.get("prompt_logprobs") and asked:
+            raise RequestError("a sample request takes prompt_logprobs or prompt_scoring, not both")
+        if not asked:
+            return [PromptScoring(logprobs=True)] * len(r["prompts"]) if r.get("prompt_logprobs") else None
+        if len(asked) != len(r["prompts"]):
+            raise RequestError(f"prompt_scoring has {len(asked)} entries for {len(r['prompts'])} prompts")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        for p, s in zip(r["prompts"], asked):
+            try:
+                check_scoring(s, len(p), vocab)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
+        return list(asked)
+
     @torch.no_grad()
-    def prompt_logprobs(self, adapter: str | None, prompts: list[list[int]]) -> list[list[float]]:
-        """Each prompt token's logprob given the tokens before it, under `adapter` (`BASE`: the
-        base alone), at temperature 1 without truncation: the first position has no prefix and
-        reads NaN. The same numbers as a Tinker adapter's `compute_logprobs` of the prompt."""
-        out: list[list[float]] = [[math.nan] for _ in prompts]
-        longer = [k for k, p in enumerate(prompts) if len(p) > 1]
-        if not longer:
-            return out
-        datums = [Datum(tuple(prompts[k][:-1]), tuple(prompts[k][1:]), (1.0,) * (len(prompts[k]) - 1)) for k in longer]
-        padded = pad_datums(datums, self.pad_token_id, self.device)
+    def prompt_scores(self, adapter: str | None, prompts: list[list[int]],
+                      scoring: list[PromptScoring]) -> list[PromptScores]:
+        """Each prompt's scores (`rollout.prompt_scores`) under `adapter` (`BASE`: the base alone),
+        at temperature 1 without truncation: the same logprobs as a Tinker adapter's
+        `compute_logprobs` of the prompt."""
         with _active(self.model, adapter):
-            logits_BTV = self.model(input_ids=padded.inputs_BT, attention_mask=padded.mask_BT).logits
-        lp_BT = target_logprobs(logits_BTV, padded.targets_BT, 1.0)
-        for k, d, row in zip(longer, datums, lp_BT.tolist()):
-            out[k] += row[:len(d.input_tokens)]
-        return out
+            return score_prompts(self.model, prompts, scoring, self.pad_token_id)
 
     def _sample_request(self, r: dict[str, Any]) -> SampleRequest:
         """A client's sample request as a `SampleRequest`; RequestError naming what is malformed."""

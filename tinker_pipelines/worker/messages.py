@@ -9,7 +9,7 @@ no bytes from the socket ever become code: there is no pickle on either side.
 Tensors cross as `Tensor` (dtype name, shape, raw little-endian bytes; bf16 included, viewed as
 bytes, not through numpy which has no bf16). Token ids and per-token floats cross as msgpack
 ints and float64s, which round-trip Python's ints and floats exactly (`WireDatum` carries a
-`Datum` or a PPO `CriticDatum`; `Sample` crosses as itself).
+`Datum` or a PPO `CriticDatum`; `Sample`, `PromptScoring` and `PromptScores` cross as themselves).
 
 `SCHEMA` is a hash of every struct's field names, types and defaults, computed at import: a
 change to any message changes it, and a client of another schema is refused at its hello with
@@ -28,6 +28,7 @@ from typing import Any, Union
 import msgspec
 import torch
 
+from tinker_pipelines.rollout.prompt_scores import PromptScores, PromptScoring
 from tinker_pipelines.rollout.samples import Sample
 from tinker_pipelines.types import CriticDatum, Datum
 
@@ -216,6 +217,7 @@ class SampleCall(AdapterRequest, frozen=True, tag=Op.SAMPLE.value):
     stop_token_ids: list[int] = []  # ends rows besides the worker's own stop tokens
     num_samples: int = 1  # samples of each prompt, prompt by prompt in the reply
     prompt_logprobs: bool = False  # reply with each prompt token's logprob given its prefix
+    prompt_scoring: list[PromptScoring] = []  # one per prompt (Tinker's prompt fields), or none: no scores
 
 
 class ForwardBackward(AdapterRequest, frozen=True, tag=Op.FORWARD_BACKWARD.value):
@@ -326,6 +328,7 @@ class SampleReply(Reply, frozen=True, tag=Op.SAMPLE.value):
     samples: list[Sample]
     generator_state: bytes | None = None  # the request's generator, advanced; None when it brought none
     prompt_logprobs: list[list[float]] | None = None  # per prompt, NaN first (no prefix); None: not asked
+    prompt_scores: list[PromptScores] | None = None  # per prompt, with `prompt_scoring`; None: not asked
 
 
 class ForwardBackwardReply(Reply, frozen=True, tag=Op.FORWARD_BACKWARD.value):

@@ -406,7 +406,7 @@ def _reply(op: Op, out: dict[str, Any]) -> M.Reply:
     if op == Op.SAMPLE:
         return M.SampleReply([Sample(tuple(t), tuple(lp), r, s, tuple(n), tuple(tuple(map(tuple, a)) for a in top))
                               for t, lp, r, s, n, top in out["samples"]],
-                             out["generator_state"], out.get("prompt_logprobs"))
+                             out["generator_state"], out.get("prompt_logprobs"), out.get("prompt_scores"))
     if op == Op.TINKER_FORWARD_BACKWARD:
         return M.TinkerForwardBackwardReply(out["logprobs"], out["metrics"])
     return M.ForwardBackwardReply(out["metrics"])

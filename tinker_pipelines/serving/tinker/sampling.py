@@ -5,7 +5,10 @@ prompt (each with `num_samples` = the group size) and awaits them together. Sent
 each would be a decode of its own; merged, the batch decodes as one (the decode loop's cost is
 per step, nearly whatever the rows). Calls merge when they sample the same adapter with the
 same settings and bring no seed of their own (a seeded call's tokens must not depend on its
-neighbours, so it is sent alone). Each connection sends one merged call at a time; the calls
+neighbours, so it is sent alone). What each call asks of its own prompt (`prompt_scoring`) and
+its top-k width of sampled tokens (`top_logprobs`) may differ: the merged call carries each
+prompt's scoring and the widest k, and each call gets back its own prompts' scores and its own k.
+Each connection sends one merged call at a time; the calls
 that arrive meanwhile merge into the next.
 
 A batch's requests reach the service over some milliseconds (each is an HTTP request of its own,
@@ -20,12 +23,14 @@ step in three still decoded its last two rows alone (0.9 s more).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import msgspec
 
+from tinker_pipelines.rollout.prompt_scores import PromptScores, PromptScoring
 from tinker_pipelines.worker import messages as M
 
 
@@ -47,6 +52,8 @@ class Answer:
 
     samples: list
     prompt_logprobs: list | None
+    prompt_scores: list[PromptScores] | None = None
+    """One per prompt of the call, when it had `prompt_scoring`."""
 
 
 _unique = itertools.count()
@@ -56,8 +63,23 @@ def merge_key(call: M.SampleCall) -> tuple:
     """Calls with equal keys may be sent as one (prompts concatenated)."""
     if call.seed is not None:
         return ("seeded", next(_unique))
-    fields = {f: getattr(call, f) for f in call.__struct_fields__ if f not in ("prompts",)}
+    fields = {f: getattr(call, f) for f in call.__struct_fields__ if f not in _PER_CALL}
     return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(fields.items()))
+
+
+_PER_CALL = ("prompts", "prompt_scoring", "top_logprobs")
+"""SampleCall fields merged calls may differ in (`merge`)."""
+
+
+def merge(calls: list[M.SampleCall]) -> M.SampleCall:
+    """Calls of one `merge_key` as one: their prompts in order, each prompt's scoring (none for
+    a call without), and the widest top-k of sampled tokens (`_split` cuts each call's back)."""
+    if len(calls) == 1:
+        return calls[0]
+    scoring = [s for c in calls for s in (c.prompt_scoring or [PromptScoring()] * len(c.prompts))] \
+        if any(c.prompt_scoring for c in calls) else []
+    return msgspec.structs.replace(calls[0], prompts=[q for c in calls for q in c.prompts], prompt_scoring=scoring,
+                                   top_logprobs=max(c.top_logprobs for c in calls))
 
 
 class SampleBatcher:
@@ -109,8 +131,7 @@ class SampleBatcher:
             while self._queues.get(key):
                 await self._settle(key)
                 group = self._take(key)
-                merged = msgspec.structs.replace(group[0].call, prompts=[q for p in group for q in p.call.prompts]) \
-                    if len(group) > 1 else group[0].call
+                merged = merge([p.call for p in group])
                 self.calls += 1
                 try:
                     reply = await asyncio.to_thread(self.send, self._conns[key], merged)
@@ -144,13 +165,21 @@ class SampleBatcher:
 
     @staticmethod
     def _split(group: list[_Pending], reply: M.SampleReply) -> None:
-        """Samples come prompt by prompt, `num_samples` each; prompt logprobs one list per prompt."""
+        """Samples come prompt by prompt, `num_samples` each; prompt logprobs and scores one per
+        prompt. A call gets its sampled tokens' top-k as wide as it asked (none: none)."""
         s, q = 0, 0
+        widest = max(p.call.top_logprobs for p in group)
         for p in group:
             n_prompts = len(p.call.prompts)
             n = n_prompts * p.call.num_samples
             plp = reply.prompt_logprobs[q:q + n_prompts] if reply.prompt_logprobs else None
+            scores = reply.prompt_scores[q:q + n_prompts] if p.call.prompt_scoring and reply.prompt_scores else None
+            samples = list(reply.samples[s:s + n])
+            if p.call.top_logprobs < widest:
+                k = p.call.top_logprobs
+                samples = [dataclasses.replace(x, top_logprobs=tuple(t[:k] for t in x.top_logprobs) if k else ())
+                           for x in samples]
             if not p.future.done():
-                p.future.set_result(Answer(list(reply.samples[s:s + n]), plp))
+                p.future.set_result(Answer(samples, plp, scores))
             s += n
             q += n_prompts

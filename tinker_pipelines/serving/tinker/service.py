@@ -457,18 +457,19 @@ class Service:
     def _sample_call(self, s: Sampler, req: types.SampleRequest) -> M.SampleCall:
         p = req.sampling_params
         prompt = req.prompt.to_ints() if hasattr(req.prompt, "to_ints") else list(req.prompt)
-        unsupported = [k for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
-                       if getattr(req, k, 0)] + (["target_prompt_logprobs"] if req.target_prompt_logprobs else [])
-        if unsupported:
-            raise Invalid(f"{unsupported[0]} is not supported by this service", unsupported[0])
+        if req.prompt_alt_tokens_k:
+            raise Invalid("prompt_alt_tokens_k is not supported by this service", "prompt_alt_tokens_k")
         if not 1 <= req.num_samples <= 256:
             raise Invalid(f"num_samples must be 1..256, got {req.num_samples}", "num_samples")
+        # the prompt's scores come from one forward over it on the worker, whatever num_samples
+        scoring = wire.prompt_scoring(req, prompt, self.runtime.info.get("vocab_size"))
         stop = p.stop if isinstance(p.stop, list) else ([p.stop] if p.stop else [])
         return M.SampleCall(adapter=s.adapter, prompts=[prompt], max_new_tokens=int(p.max_tokens or 16),
                             temperature=float(p.temperature), top_k=0 if p.top_k in (None, -1) else int(p.top_k),
                             top_p=float(p.top_p), stop=[x for x in stop if isinstance(x, str)],
                             stop_token_ids=[x for x in stop if isinstance(x, int)], seed=p.seed,
-                            num_samples=int(req.num_samples), prompt_logprobs=bool(req.prompt_logprobs))
+                            num_samples=int(req.num_samples), prompt_scoring=[scoring] if scoring else [],
+                            top_logprobs=wire.topk_width(req.topk_sample_logprobs, "topk_sample_logprobs"))
 
     # -- persistence ------------------------------------------------------------------------
     def _save_meta(self, m: Model) -> None:
@@ -517,7 +518,18 @@ def _datum(d: wire.TinkerDatum, i: int, loss: TinkerLoss, vocab: int | None, max
     return datum_from_tinker(d.tokens, d.inputs, loss=loss, datum_index=i)
 
 
-def _sequences(answer: Answer, req: types.SampleRequest) -> tuple[list[wire.Sequence], list | None]:
-    seqs = [wire.Sequence(list(s.tokens), list(s.logprobs), s.stop_reason != "length") for s in answer.samples]
-    prompt_lp = answer.prompt_logprobs[0] if req.prompt_logprobs and answer.prompt_logprobs else None
-    return seqs, prompt_lp
+def _sequences(answer: Answer, req: types.SampleRequest) -> tuple:
+    """`wire.encode_sample`'s arguments: the samples, and what the request asked of its prompt,
+    position by position (None where a position was not scored: the first, those before
+    `prompt_logprobs_last_n`)."""
+    k = req.topk_sample_logprobs
+    seqs = [wire.Sequence(list(s.tokens), list(s.logprobs), s.stop_reason != "length",
+                          wire.TopKRows(list(s.top_logprobs), k) if k else None) for s in answer.samples]
+    scores = answer.prompt_scores[0] if answer.prompt_scores else None
+    if scores is None:
+        return seqs, None
+    unscored = [None] * scores.first
+    prompt_lp = unscored + list(scores.logprobs) if req.prompt_logprobs else None
+    topk = wire.TopKRows(unscored + list(scores.topk), req.topk_prompt_logprobs) if req.topk_prompt_logprobs else None
+    targets = (req.target_prompt_logprobs, scores.targets) if req.target_prompt_logprobs is not None else None
+    return seqs, prompt_lp, topk, targets

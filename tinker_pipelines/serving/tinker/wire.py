@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import zstandard
 from tinker.proto import tinker_public_pb2 as pb
+from tinker.types.topk_logprobs import MASK_LOGPROB
 
 from tinker_pipelines.algorithms.tinker_losses import TinkerLoss, TinkerLossError, tinker_loss
+from tinker_pipelines.rollout.prompt_scores import PromptScoring
+
+if TYPE_CHECKING:
+    from tinker import types
+    from tinker.types._pydantic_types.tensor_data import TensorData  # SampleRequest's own field type
 
 
 class WireError(ValueError):
@@ -163,6 +170,25 @@ def encode_forward_backward(logprobs: list[list[float]], metrics: dict[str, floa
     return out.SerializeToString()
 
 
+MAX_TOPK_LOGPROBS = 20
+"""Most tokens `topk_prompt_logprobs` and `topk_sample_logprobs` may ask for per position, and most
+distinct token ids `target_prompt_logprobs` may name (the SDK: the server bounds its cost,
+len(prompt) x distinct ids, as it bounds a top-k width). The SDK documents no number; 20 is
+tinker-cookbook's distillation default (`topk`, "K=20 matches full-vocabulary KL") and vLLM's
+`max_logprobs`. A wider request is answered 400 naming its field."""
+
+TopK = tuple[tuple[int, float], ...]
+"""One position's most likely tokens as (token id, logprob), most likely first."""
+
+
+@dataclass(frozen=True)
+class TopKRows:
+    """Positions' most likely tokens, sent `k` wide; a None row is an unscored position."""
+
+    rows: list[TopK | None]
+    k: int
+
+
 @dataclass(frozen=True)
 class Sequence:
     """One sampled sequence as the service returns it."""
@@ -171,15 +197,130 @@ class Sequence:
     logprobs: list[float]
     stopped: bool
     """True when a stop string, stop token or end of text ended it; False when max_tokens did."""
+    topk: TopKRows | None = None
+    """With `topk_sample_logprobs`: each token's most likely tokens under the distribution it was drawn from."""
 
 
-def encode_sample(sequences: list[Sequence], prompt_logprobs: list[float | None] | None) -> bytes:
-    """`SampleResponse` as protobuf; an unscored prompt position (the first) is NaN on the wire."""
+def topk_width(k: int, field: str) -> int:
+    """A requested top-k width, 0..`MAX_TOPK_LOGPROBS`; WireError naming `field` otherwise."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOPK_LOGPROBS:
+        raise WireError(f"{field} must be an integer 0..{MAX_TOPK_LOGPROBS} (this service's bound), got {k!r}",
+                        field)
+    return k
+
+
+def prompt_scoring(req: types.SampleRequest, prompt: list[int], vocab: int | None) -> PromptScoring | None:
+    """What `req` asks the forward over its prompt for (None: nothing), its prompt fields checked:
+    WireError naming the field a bound or the prompt's length refuses."""
+    k = topk_width(req.topk_prompt_logprobs, "topk_prompt_logprobs")
+    last_n = req.prompt_logprobs_last_n
+    if last_n is not None:
+        if not req.prompt_logprobs:
+            raise WireError("prompt_logprobs_last_n applies to prompt logprobs; set prompt_logprobs",
+                            "prompt_logprobs_last_n")
+        if isinstance(last_n, bool) or not 1 <= last_n <= len(prompt) - 1:
+            raise WireError(f"prompt_logprobs_last_n must be 1..len(prompt) - 1 = {len(prompt) - 1}, got {last_n!r}",
+                            "prompt_logprobs_last_n")
+    positions, ids = ((), ()) if req.target_prompt_logprobs is None else \
+        _target_cells(req.target_prompt_logprobs, len(prompt), vocab)
+    if not (req.prompt_logprobs or k or positions):
+        return None
+    return PromptScoring(bool(req.prompt_logprobs), k, last_n or 0, positions, ids)
+
+
+def _target_cells(td: TensorData, n_tokens: int, vocab: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`target_prompt_logprobs` as cells (position, token id), in the order of its values: row i
+    is position i + 1; a -1 asks nothing. WireError naming the field when it is not
+    `[len(prompt) - 1, K]` int64 ids (dense or CSR), names none, or names too many distinct ids."""
+    f = "target_prompt_logprobs"
+    if td.dtype != "int64":
+        raise WireError(f"{f} must be an int64 tensor of token ids, got {td.dtype}", f)
+    if td.shape is None or len(td.shape) != 2 or td.shape[1] < 1:
+        raise WireError(f"{f} must be 2-D, [len(prompt) - 1, K] with K >= 1, got shape {td.shape}", f)
+    rows, width = td.shape
+    if rows != n_tokens - 1:
+        raise WireError(f"{f} has {rows} rows; a prompt of {n_tokens} tokens needs len(prompt) - 1 = {n_tokens - 1}",
+                        f)
+    ids = np.asarray(td.data)
+    if ids.size and (ids.dtype.kind not in "iu" or ids.ndim != 1):
+        raise WireError(f"{f} must hold integer token ids", f)
+    ids = ids.astype(np.int64)
+    if td.sparse_crow_indices is None:
+        if td.sparse_col_indices is not None:
+            raise WireError(f"{f}.sparse_col_indices is set without sparse_crow_indices", f)
+        if ids.size != rows * width:
+            raise WireError(f"{f} has shape {td.shape} but {ids.size} values", f)
+        row_of = np.arange(ids.size) // width
+    else:
+        crow = np.asarray(td.sparse_crow_indices, np.int64)
+        col = np.asarray(td.sparse_col_indices if td.sparse_col_indices is not None else [], np.int64)
+        if (len(crow) != rows + 1 or crow[0] != 0 or (np.diff(crow) < 0).any() or crow[-1] != len(col)
+                or len(col) != ids.size or ((col < 0) | (col >= width)).any()):
+            raise WireError(f"{f} is not a CSR tensor of shape {td.shape} (crow_indices, col_indices and data "
+                            f"disagree)", f)
+        row_of = np.repeat(np.arange(rows), np.diff(crow))
+    asked = ids != -1
+    outside = asked & ((ids < 0) | (ids >= vocab)) if vocab is not None else asked & (ids < 0)
+    if outside.any():
+        raise WireError(f"{f} has token id {int(ids[outside][0])}, outside the vocabulary [0, {vocab}) "
+                        f"(-1 asks nothing)", f)
+    if not asked.any():
+        raise WireError(f"{f} names no token id (every cell is -1)", f)
+    distinct = np.unique(ids[asked]).size
+    if distinct > MAX_TOPK_LOGPROBS:
+        raise WireError(f"{f} names {distinct} distinct token ids; this service scores at most {MAX_TOPK_LOGPROBS} "
+                        f"(its cost, len(prompt) x distinct ids, is bounded as a top-k width is)", f)
+    return tuple((row_of[asked] + 1).tolist()), tuple(ids[asked].tolist())
+
+
+def _target_tensor(td: TensorData, values: tuple[float, ...]) -> pb.Tensor:
+    """The logprobs of `td`'s cells (`_target_cells`' order) as float32 in `td`'s shape and
+    layout, 0.0 where it had -1."""
+    ids = np.asarray(td.data, np.int64)
+    out = np.zeros(ids.size, np.float32)
+    out[ids != -1] = values
+    msg = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=list(td.shape or []))
+    if td.sparse_crow_indices is None:
+        msg.dense = out.tobytes()
+    else:
+        msg.sparse_csr.values = out.tobytes()
+        msg.sparse_csr.crow_indices = np.asarray(td.sparse_crow_indices, np.int64).tobytes()
+        msg.sparse_csr.col_indices = np.asarray(td.sparse_col_indices, np.int64).tobytes()
+    return msg
+
+
+def _topk(top: TopKRows) -> pb.TopkLogprobs:
+    """Positions' top-k as the SDK's dense `(len(rows), k)` matrices. A position that was not
+    scored (None), and the cells past its last token, hold the SDK's sentinel (`MASK_LOGPROB`,
+    token 0), which it reads back as None and as a shorter list; so does a token of no mass (-inf,
+    outside a truncated sampling distribution's support): it is not among the likely ones."""
+    rows, k = top.rows, top.k
+    ids_LK = np.zeros((len(rows), k), np.int32)
+    lps_LK = np.full((len(rows), k), MASK_LOGPROB, np.float32)
+    for i, row in enumerate(rows):
+        kept = [(t, x) for t, x in (row or ())[:k] if x != -math.inf]
+        if kept:
+            ids_LK[i, :len(kept)], lps_LK[i, :len(kept)] = zip(*kept)
+    return pb.TopkLogprobs(length=len(rows), k=k, token_ids=ids_LK.tobytes(), logprobs=lps_LK.tobytes())
+
+
+def encode_sample(sequences: list[Sequence], prompt_logprobs: list[float | None] | None,
+                  topk_prompt: TopKRows | None = None,
+                  target_prompt: tuple[TensorData, tuple[float, ...]] | None = None) -> bytes:
+    """`SampleResponse` as protobuf; an unscored prompt position (the first) is NaN on the wire.
+    `topk_prompt`: one row per prompt position; `target_prompt`: the request's
+    `target_prompt_logprobs` and its cells' logprobs (`prompt_scoring`'s order)."""
     out = pb.SampleResponse()
     for s in sequences:
-        out.sequences.add(stop_reason=pb.STOP_REASON_STOP if s.stopped else pb.STOP_REASON_LENGTH,
-                          tokens=np.asarray(s.tokens, np.int32).tobytes(),
-                          logprobs=np.asarray(s.logprobs, np.float32).tobytes())
+        seq = out.sequences.add(stop_reason=pb.STOP_REASON_STOP if s.stopped else pb.STOP_REASON_LENGTH,
+                                tokens=np.asarray(s.tokens, np.int32).tobytes(),
+                                logprobs=np.asarray(s.logprobs, np.float32).tobytes())
+        if s.topk is not None:
+            seq.topk_sampled_logprobs.CopyFrom(_topk(s.topk))
     if prompt_logprobs is not None:
         out.prompt_logprobs = np.asarray([math.nan if v is None else v for v in prompt_logprobs], np.float32).tobytes()
+    if topk_prompt is not None:
+        out.topk_prompt_logprobs.CopyFrom(_topk(topk_prompt))
+    if target_prompt is not None:
+        out.target_prompt_logprobs.CopyFrom(_target_tensor(*target_prompt))
     return out.SerializeToString()

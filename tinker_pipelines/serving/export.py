@@ -173,14 +173,22 @@ def _write_base(base_dir: Path, base: str | Path | None, cfg: Any, tokenizer) ->
     tokenizer.save_pretrained(str(base_dir))
 
 
+def write_peft_adapter(adapter_dir: Path, checkpoint: str | Path, base_name: str) -> None:
+    """The PEFT adapter of LoRA checkpoint `checkpoint` (`adapter_config.json` +
+    `adapter_model.safetensors`, what `PeftModel.from_pretrained` loads) into `adapter_dir`
+    (created), its `base_model_name_or_path` set to `base_name`."""
+    adapter_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(Path(checkpoint) / "adapter_model.safetensors", adapter_dir / "adapter_model.safetensors")
+    conf = json.loads((Path(checkpoint) / "adapter_config.json").read_text())
+    conf["base_model_name_or_path"] = str(base_name)
+    (adapter_dir / "adapter_config.json").write_text(json.dumps(conf, indent=2, sort_keys=True))
+
+
 def _write_adapter(adapter_dir: Path, checkpoint: str | Path, final_base: Path, tokenizer) -> None:
     """`adapter/`: the checkpoint's adapter as PEFT wrote it, its base path pointing at where
     `base/` will be once the export is in place, and the tokenizer."""
     adapter_dir.mkdir()
-    shutil.copy2(Path(checkpoint) / "adapter_model.safetensors", adapter_dir / "adapter_model.safetensors")
-    conf = json.loads((Path(checkpoint) / "adapter_config.json").read_text())
-    conf["base_model_name_or_path"] = str(final_base)
-    (adapter_dir / "adapter_config.json").write_text(json.dumps(conf, indent=2, sort_keys=True))
+    write_peft_adapter(adapter_dir, checkpoint, str(final_base))
     tokenizer.save_pretrained(str(adapter_dir))
 
 

@@ -13,6 +13,7 @@ adapter with a request in flight is never evicted.
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 import threading
 import time
@@ -25,6 +26,8 @@ from tinker_pipelines.training.learner import LearnerConfig
 from tinker_pipelines.rollout.sampler import BASE, SampleRequest
 from tinker_pipelines.serving.errors import ServingError
 from tinker_pipelines.serving.registry import Version
+
+log = logging.getLogger(__name__)
 
 
 def learner_config(v: Version) -> LearnerConfig:
@@ -144,6 +147,8 @@ class WorkerBackend:
         self.base_identity = probe.info["base"]
         probe.close()
         self._clients: dict[str, Any] = {}
+        self._made: dict[str, tuple[LearnerConfig, str | None, str]] = {}
+        """How each adapter was made (`reconnect` makes it again on a new worker)."""
         self.batches = 0
         self._base = f"serve-{id(self):x}-base"
         self._create(self._base, LearnerConfig(mode="lora"), None, "")
@@ -160,6 +165,23 @@ class WorkerBackend:
             client.close()  # the worker drops the half-made adapter with the connection
             raise
         self._clients[name] = client
+        self._made[name] = (lcfg, path, base_name)
+
+    def reconnect(self) -> None:
+        """The worker at `address` was replaced by a new one (the Tinker service's supervisor):
+        make every adapter again on it as it was made, the base's and each loaded version's (from
+        its checkpoint), under the same names. One that cannot be made keeps its broken connection
+        (its requests fail, naming the lost worker) and is logged."""
+        for name, (lcfg, path, base_name) in list(self._made.items()):
+            old = self._clients.get(name)
+            try:
+                self._create(name, lcfg, path, base_name)
+            except Exception as e:  # noqa: BLE001 - one adapter must not keep the others from coming back
+                log.warning("adapter %s could not be made again on the new worker: %s", name,
+                            str(e).splitlines()[0] if str(e) else type(e).__name__)
+                continue
+            if old is not None:
+                old.close()
 
     def load(self, v: Version) -> str:
         name = f"{adapter_name(v)}-{id(self):x}"
@@ -168,6 +190,7 @@ class WorkerBackend:
 
     def unload(self, name: str) -> None:
         client = self._clients.pop(name, None)
+        self._made.pop(name, None)
         if client is not None:
             client.close()  # the worker drops an adapter with its connection
 

@@ -21,6 +21,18 @@ class WorkerDiedError(WorkerError):
     """The worker process went away during a call."""
 
 
+class WorkerTimeout(WorkerDiedError):
+    """A call got no answer within its connection's bound (`WorkerClient(timeout_s=...)`): the
+    worker is hung or far slower than it should be. The connection is closed, since a late
+    answer would be taken for the next call's."""
+
+
+class WorkerLost(WorkerDiedError):
+    """The worker a connection talked to died or hung and was replaced by a new one: what that
+    connection held there (adapters, optimizer state, snapshots) is gone. The message says what
+    happened and what to do."""
+
+
 def default_socket(model: str, device: str) -> "Path":
     """Where a worker for `model` on `device` listens unless told: under the project's `.tinker/`
     (the command line and the Dagster resource that starts workers both look there)."""

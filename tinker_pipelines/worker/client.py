@@ -8,14 +8,16 @@ off, the worker computes exactly what the in-process engine does (same metrics, 
 from __future__ import annotations
 
 import os
+import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import asdict
-from multiprocessing.connection import AuthenticationError, Client
+from multiprocessing.connection import AuthenticationError, Connection, answer_challenge, deliver_challenge
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import torch
@@ -26,48 +28,75 @@ from tinker_pipelines.algorithms.tinker_losses import TinkerLoss, TinkerLossErro
 from tinker_pipelines.training.learner import LearnerConfig
 from tinker_pipelines.rollout.sampler import ContextOverflowError, Sample
 from tinker_pipelines.types import Datum
-from tinker_pipelines.worker import WorkerDiedError, WorkerError
+from tinker_pipelines.worker import WorkerDiedError, WorkerError, WorkerLost, WorkerTimeout
 from tinker_pipelines.worker import messages as M
 from tinker_pipelines.worker.server import key_path
+
+
+CONNECT_TIMEOUT_S = 30.0
+"""Bound on each step of connecting to a worker (the socket's connect, the auth handshake, the
+hello): a stopped (SIGSTOP) worker's socket still accepts, and then nothing ever answers."""
+
+
+class ClosedConnection(WorkerDiedError):
+    """A call on a connection this client closed itself (`WorkerClient.close`)."""
 
 
 class WorkerClient:
     """One authenticated connection to the worker at `address` (a Unix socket path), with one
     typed method per op (`messages.Op`); each sends the op's request struct and returns what
-    its reply carries. Errors name the worker and the experiment (the request's adapter)."""
+    its reply carries. Errors name the worker and the experiment (the request's adapter).
 
-    def __init__(self, address: str | Path, authkey: bytes | None = None):
+    `timeout_s` bounds each call (sending it, then waiting for its answer; None: no bound): past
+    it the call raises `WorkerTimeout` and the connection is closed. A connection whose worker
+    went away or timed out stays broken: every later call raises at once."""
+
+    def __init__(self, address: str | Path, authkey: bytes | None = None, timeout_s: float | None = None,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S):
         self.address = str(address)
-        if authkey is None:
-            env = os.environ.get("TINKER_WORKER_KEY")
-            try:
-                authkey = bytes.fromhex(env) if env else key_path(self.address).read_bytes()
-            except FileNotFoundError:
-                raise WorkerError(f"no worker at {self.address}: its key file {key_path(self.address)} is missing "
-                                  "(start one with `tinker-pipelines worker`)") from None
+        self.timeout_s = timeout_s
+        self.explain: Callable[[str, WorkerDiedError], str | None] | None = None
+        """Set by whoever watches the worker (the Tinker runtime): given what was being done and the
+        transport error, what happened to the worker and what the caller can do (raised as
+        `WorkerLost`), or None to raise the transport error as it is."""
+        self.broken: WorkerDiedError | None = None
+        """Why this connection can no longer be used (None while it can)."""
         try:
-            self.conn = Client(self.address, family="AF_UNIX", authkey=authkey)
+            self.conn = _connect(self.address, authkey if authkey is not None else _authkey(self.address),
+                                 connect_timeout_s)
         except (FileNotFoundError, ConnectionRefusedError):
             raise WorkerError(f"no worker listening at {self.address} (start one with `tinker-pipelines worker`)") from None
         except AuthenticationError:
             raise WorkerError(f"the worker at {self.address} refused this client's auth key") from None
+        except (BlockingIOError, TimeoutError):  # SO_RCVTIMEO / SO_SNDTIMEO, or the connect's own timeout
+            raise WorkerTimeout(f"the worker at {self.address} did not complete the connection handshake within "
+                                f"{connect_timeout_s:g} s (stopped or hung)") from None
+        except (EOFError, OSError) as e:
+            raise WorkerDiedError(f"the worker at {self.address} hung up during the connection handshake "
+                                  f"({type(e).__name__})") from None
         self._lock = threading.Lock()
-        self.hello: M.HelloReply = self.send(M.Hello(M.SCHEMA))  # type: ignore[assignment]
+        self.hello: M.HelloReply = self._send(M.Hello(M.SCHEMA), connect_timeout_s)  # type: ignore[assignment]
         self.info: dict[str, Any] = msgspec.structs.asdict(self.hello)
         """The worker's hello (`messages.HelloReply`) as a dict: base, device, dtype, limits."""
+        _set_timeouts(self.conn, self.timeout_s)  # the handshake's bound is over; a call's is `timeout_s`
 
     def send(self, request: M.Request) -> M.Reply:
         """Send one request and wait for its reply struct; a refusal raises `WorkerError` (or
-        `ContextOverflowError`) naming the worker, the op and the experiment."""
+        `ContextOverflowError`) naming the worker, the op and the experiment; a worker that went
+        away or gave no answer within `timeout_s` raises `WorkerDiedError` / `WorkerTimeout` (or
+        `WorkerLost`, as `explain` words it)."""
+        return self._send(request, self.timeout_s)
+
+    def _send(self, request: M.Request, timeout_s: float | None) -> M.Reply:
         op = M.op_of(request)
         experiment = getattr(request, "adapter", "") or getattr(request, "name", "")
         about = f"{op.value}{f' of experiment {experiment!r}' if experiment else ''}"
+        data, failed = b"", self.broken
         with self._lock:
-            try:
-                self.conn.send_bytes(M.encode(request))  # msgpack: `conn.send` would pickle
-                data = self.conn.recv_bytes()
-            except (EOFError, OSError) as e:
-                raise WorkerDiedError(f"worker {self.address} went away during {about} ({type(e).__name__})") from None
+            if failed is None:
+                data, failed = self._exchange(request, about, timeout_s)
+        if failed is not None:  # explained outside the lock: `explain` may wait for the worker's verdict
+            raise self._lost(about, failed)
         try:
             reply = M.decode_reply(op, data)
         except M.BadMessage as e:
@@ -79,6 +108,29 @@ class WorkerClient:
                 raise TinkerLossError(reply.message, reply.field)
             raise ContextOverflowError(msg) if reply.error == "context_overflow" else WorkerError(msg)
         return reply
+
+    def _exchange(self, request: M.Request, about: str,
+                  timeout_s: float | None) -> tuple[bytes, WorkerDiedError | None]:
+        """One request and its answer's bytes, or the transport error (the connection is then broken)."""
+        if self.broken is not None:  # broken while this call waited for the lock
+            return b"", self.broken
+        try:
+            self.conn.send_bytes(M.encode(request))  # msgpack: `conn.send` would pickle
+            if timeout_s is not None and not self.conn.poll(timeout_s):
+                raise BlockingIOError
+            return self.conn.recv_bytes(), None
+        except BlockingIOError:  # no answer in time, or (SO_RCVTIMEO / SO_SNDTIMEO) a read or write stalled
+            failed: WorkerDiedError = WorkerTimeout(f"worker {self.address} gave no answer to {about} within "
+                                                    f"{timeout_s:g} s")
+        except (EOFError, OSError) as e:
+            failed = WorkerDiedError(f"worker {self.address} went away during {about} ({type(e).__name__})")
+        self.broken = failed
+        self.close()  # a late answer must never be read as the next call's; a live worker drops what we held
+        return b"", failed
+
+    def _lost(self, about: str, failed: WorkerDiedError) -> WorkerDiedError:
+        message = self.explain(about, failed) if self.explain is not None else None
+        return WorkerLost(message) if message else failed
 
     # -- one method per op ------------------------------------------------------------------
     def create(self, name: str, learner: dict[str, Any], seed: int, base_name: str = "", algorithm: str = "",
@@ -150,10 +202,76 @@ class WorkerClient:
         return msgspec.structs.asdict(self.send(M.VerifyCheckpoint(adapter, path, list(probe_tokens))))
 
     def close(self) -> None:
+        if self.broken is None:
+            self.broken = ClosedConnection(f"the connection to worker {self.address} was closed by this client")
         try:
             self.conn.close()
         except OSError:
             pass
+
+
+def _authkey(address: str | Path) -> bytes:
+    env = os.environ.get("TINKER_WORKER_KEY")
+    try:
+        return bytes.fromhex(env) if env else key_path(address).read_bytes()
+    except FileNotFoundError:
+        raise WorkerError(f"no worker at {address}: its key file {key_path(address)} is missing "
+                          "(start one with `tinker-pipelines worker`)") from None
+
+
+def _connect(address: str, authkey: bytes, timeout_s: float) -> Connection:
+    """`multiprocessing.connection.Client(address, authkey=...)`, with every step bounded by
+    `timeout_s`: the socket's own timeout for the connect, SO_RCVTIMEO / SO_SNDTIMEO (a read or
+    write that waits longer fails with EAGAIN, `BlockingIOError`) for the handshake."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(timeout_s)
+        s.connect(address)
+        s.settimeout(None)  # blocking again: `Connection` reads and writes the descriptor itself
+        conn = Connection(s.detach())
+    finally:
+        s.close()
+    try:
+        _set_timeouts(conn, timeout_s)
+        answer_challenge(conn, authkey)
+        deliver_challenge(conn, authkey)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _set_timeouts(conn: Connection, timeout_s: float | None) -> None:
+    """Bound each read and write on `conn`'s socket by `timeout_s` (None or 0: no bound)."""
+    seconds = max(0.0, timeout_s or 0.0)
+    value = struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
+    s = socket.socket(fileno=os.dup(conn.fileno()))  # the same socket: its options are the connection's
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+    finally:
+        s.close()
+
+
+def probe(address: str | Path, timeout_s: float = 2.0) -> str | None:
+    """None when the worker at `address` answers, else why not (one line): a connection and its
+    auth handshake must complete within `timeout_s`. It hangs up before the hello, so the worker
+    registers no client and its compute thread never hears of it; the handshake runs in the
+    worker's accept and client threads, so a long training step does not slow the answer."""
+    try:
+        conn = _connect(str(address), _authkey(address), timeout_s)
+    except WorkerError as e:
+        return str(e)
+    except (FileNotFoundError, ConnectionRefusedError):
+        return f"nothing accepts connections at {address}"
+    except (BlockingIOError, TimeoutError):
+        return f"no answer to a connection within {timeout_s:g} s"
+    except AuthenticationError:
+        return f"the worker at {address} refused the auth key in {key_path(address)}"
+    except (EOFError, OSError) as e:
+        return f"the connection failed ({type(e).__name__}: {e})"
+    conn.close()
+    return None
 
 
 def algorithm_name(loss_fn: LossFn) -> str:

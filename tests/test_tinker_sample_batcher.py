@@ -70,3 +70,42 @@ def test_a_lone_call_waits_no_longer_than_the_settle_time():
         return loop.time() - t0
 
     assert asyncio.run(one()) < 1.0 and len(send.sent) == 1
+
+
+def test_a_merged_call_that_fails_runs_again_call_by_call_so_only_the_bad_one_fails():
+    """A fault the service's own checks did not catch (the worker refuses a row) fails that
+    row's call alone; the calls merged with it get what they get without it. A dead worker
+    fails every call at once, without a retry per call."""
+    from tinker_pipelines.worker import WorkerDiedError, WorkerError
+
+    send = Recorder()
+
+    def refusing(conn, call):
+        if any(t >= 1000 for p in call.prompts for t in p):
+            with send.lock:
+                send.sent.append(call)
+            raise WorkerError("sample: token id 1000 is outside the vocabulary")
+        return send(conn, call)
+    batcher = SampleBatcher(refusing)
+    calls = [_call(1), _call(999), _call(5)]
+
+    async def run():
+        return await asyncio.gather(*(asyncio.ensure_future(batcher.sample("c", c)) for c in calls),
+                                    return_exceptions=True)
+    good1, bad, good2 = asyncio.run(run())
+    assert isinstance(bad, WorkerError) and "outside the vocabulary" in str(bad)
+    assert good1.samples[0].tokens == (1, 2) and good2.samples[0].tokens == (5, 6)
+    assert [len(c.prompts) for c in send.sent] == [3, 1, 1, 1]  # the merged call, then each alone
+
+    died = []
+
+    def dead(conn, call):
+        died.append(call)
+        raise WorkerDiedError("the worker died")
+    batcher = SampleBatcher(dead)
+
+    async def run_dead():
+        return await asyncio.gather(*(asyncio.ensure_future(batcher.sample("c", c)) for c in calls[:2]),
+                                    return_exceptions=True)
+    assert all(isinstance(x, WorkerDiedError) for x in asyncio.run(run_dead()))
+    assert len(died) == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -59,8 +60,18 @@ def test_bodies_that_are_not_requests_or_too_large_are_refused():
     with pytest.raises(wire.WireError, match="not a ForwardBackwardRequest"):
         wire.decode_forward_backward(b"\xff\xff\xff")
     bomb = zstandard.ZstdCompressor().compress(b"\0" * (1 << 20))
-    with pytest.raises(wire.WireError, match="more than 1000 bytes"):
+    with pytest.raises(wire.BodyTooLarge, match="more than this service's bound of 1000 bytes") as e:
         wire.decompress(bomb, "zstd", 1000)
+    assert e.value.status == 413
+    # the SDK's frames declare their content size, which `decompress(max_output_size=)` then ignores:
+    # a 1 GiB frame must be refused after reading past the bound, not inflated first
+    big = zstandard.ZstdCompressor(level=1).compress(b"\0" * (1 << 30))
+    assert zstandard.get_frame_parameters(big).content_size == 1 << 30
+    started = time.perf_counter()
+    with pytest.raises(wire.BodyTooLarge):
+        wire.decompress(big, "zstd", 1 << 20)
+    assert time.perf_counter() - started < 2.0
+    assert wire.decompress(zstandard.ZstdCompressor().compress(b"abc" * 300), "zstd", 1000) == b"abc" * 300
     with pytest.raises(wire.WireError, match="Content-Encoding 'br'"):
         wire.decompress(b"x", "br", 1000)
 

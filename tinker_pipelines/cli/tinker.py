@@ -20,13 +20,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (non-loopback needs --api-key-env)")
     s.add_argument("--port", type=int, default=8001, help="port (0: any free one)")
     s.add_argument("--api-key-env", default="",
-                   help="name of an environment variable holding the key every client must send (X-API-Key); "
-                        "without it any key is accepted, on loopback only")
+                   help="name of an environment variable holding the key every client must send (X-API-Key, or "
+                        "Authorization: Bearer on /v1); without it (or --api-keys-file) any key is accepted, on "
+                        "loopback only")
+    s.add_argument("--api-keys-file", default="",
+                   help="a file of keys, one 'KEY [NAME]' a line, each a tenant that sees only its own sessions, runs, "
+                        "checkpoints and samplers (a published checkpoint is readable by all)")
+    s.add_argument("--min-ttl-s", type=int, default=3600,
+                   help="the shortest ttl_seconds a save or set_checkpoint_ttl accepts (hosted Tinker's: 3600)")
     s.add_argument("--device", default="auto", help="the worker's device: auto, cpu, cuda or cuda:N")
     s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16")
     s.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body accepted")
     s.add_argument("--gap-timeout-s", type=float, default=60.0,
                    help="how long a training call waits for the seq_id before it before failing")
+    s.add_argument("--worker-timeout-s", type=float, default=None,
+                   help="longest a worker call may take before the worker counts as hung and is restarted "
+                        "(default: serving.tinker.runtime.WORKER_TIMEOUT_S, 900; a call waits behind the other "
+                        "clients' calls, so it is far above the slowest training step)")
     s.add_argument("--ledger", default="",
                    help="the device ledger shared with Dagster's GPU executor (default: "
                         "$DAGSTER_HOME/tinker_devices.sqlite when DAGSTER_HOME is set)")
@@ -48,23 +58,34 @@ def _settings(args: argparse.Namespace):
     from tinker_pipelines.serving.tinker.app import TinkerSettings
     from tinker_pipelines.serving.tinker.launch import check_host
 
-    key = None
+    from tinker_pipelines.serving.tinker.tenancy import Keys
+
+    key, keys = None, None
+    if args.api_key_env and args.api_keys_file:
+        raise ValueError("--api-key-env and --api-keys-file: give one of them")
     if args.api_key_env:
         key = os.environ.get(args.api_key_env)
         if not key:
             raise ValueError(f"--api-key-env {args.api_key_env}: that environment variable is empty or unset")
-    check_host(args.host, key)
+        Keys.single(key, f"--api-key-env {args.api_key_env}")
+    if args.api_keys_file:
+        keys = Keys.from_file(args.api_keys_file)
+    check_host(args.host, key or (keys and "set"))
+    if not 1 <= args.min_ttl_s <= 3600:
+        raise ValueError(f"--min-ttl-s must be 1..3600, got {args.min_ttl_s}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
     for name in ("max_body_mb", "gap_timeout_s", "memory_gb", "max_lora_rank"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.worker_timeout_s is not None and not args.worker_timeout_s > 0:
+        raise ValueError(f"--worker-timeout-s must be > 0, got {args.worker_timeout_s}")
     if args.pass_tokens is not None and args.pass_tokens < 0:
         raise ValueError(f"--pass-tokens must be >= 0 (0: one pass per call), got {args.pass_tokens}")
     from tinker_pipelines.models import check_model_name
 
     check_model_name(args.model)
-    return TinkerSettings(api_key=key, max_body_bytes=int(args.max_body_mb * 1024 * 1024))
+    return TinkerSettings(api_key=key, keys=keys, max_body_bytes=int(args.max_body_mb * 1024 * 1024))
 
 
 def cmd_tinker_serve(args: argparse.Namespace) -> int:
@@ -89,8 +110,9 @@ def cmd_tinker_serve(args: argparse.Namespace) -> int:
             tracker = _tracker(args)
         handle = start_service(args.model, args.port, Path(args.home), settings.api_key, args.host, args.device,
                                args.dtype, tracker=tracker, gap_timeout_s=args.gap_timeout_s, settings=settings,
-                               lease=_lease(args), max_lora_rank=args.max_lora_rank,
-                               **({} if args.pass_tokens is None else {"pass_tokens": args.pass_tokens}))
+                               lease=_lease(args), max_lora_rank=args.max_lora_rank, min_ttl_s=args.min_ttl_s,
+                               **({} if args.pass_tokens is None else {"pass_tokens": args.pass_tokens}),
+                               **({} if args.worker_timeout_s is None else {"worker_timeout_s": args.worker_timeout_s}))
     except (ValueError, WorkerError, RuntimeError, OSError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1

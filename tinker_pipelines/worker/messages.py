@@ -292,6 +292,8 @@ class HelloReply(Reply, frozen=True, tag=Op.HELLO.value):
     pad_token_id: int
     pid: int
     max_context: int | None
+    vocab_size: int | None = None
+    """The output layer's width: a token id at or past it is refused before it joins a batch."""
 
 
 class CreateReply(Reply, frozen=True, tag=Op.CREATE.value):

@@ -179,7 +179,7 @@ class WorkerServer:
         e = self.engine
         _send(conn, M.HelloReply(M.SCHEMA, e.base, str(e.device), str(e.dtype).removeprefix("torch."),
                                  e.cfg.batching, list(e.stop_token_ids), e.pad_token_id, os.getpid(),
-                                 e.sampler.max_context))
+                                 e.sampler.max_context, e.model.get_output_embeddings().weight.shape[0]))
         self._clients.add(client)
         try:
             while True:

@@ -11,17 +11,20 @@ client saves is answered by `/v1` from the same worker, behind the same key.
 from __future__ import annotations
 
 import asyncio
-import hmac
+import json
 from typing import Any
 
 import pydantic
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from tinker import types
 
 from tinker_pipelines.serving.tinker import wire
+from tinker_pipelines.serving.tinker.external import External
 from tinker_pipelines.serving.tinker.futures import Failed, Proto
+from tinker_pipelines.serving.tinker.guard import Guard
 from tinker_pipelines.serving.tinker.service import Invalid, NotFound, Service
+from tinker_pipelines.serving.tinker.tenancy import Keys
 
 SUPPORTED_SDK = "0.38"
 """The SDK wire version served: `tinker` 0.38.x (its protobuf forward_backward and sample bodies)."""
@@ -30,22 +33,28 @@ SUPPORTED_SDK = "0.38"
 class TinkerSettings(pydantic.BaseModel):
     """How the API guards itself."""
 
+    model_config = pydantic.ConfigDict(arbitrary_types_allowed=True)
+
     api_key: str | None = None
-    """The key every request's X-API-Key must equal; None accepts any key (loopback only)."""
+    """The one key every request must carry (X-API-Key, or `Authorization: Bearer` on `/v1`);
+    None, with no `keys`, accepts any key (loopback only)."""
+    keys: Keys | None = None
+    """Several keys, each a tenant of its own (`--api-keys-file`); overrides `api_key`."""
     max_body_bytes: int = 64 * 1024 * 1024
-    """Largest request body, after zstd; a larger one is refused with 413."""
+    """Largest request body on any route, and after zstd; a larger one is refused with 413."""
     poll_s: float = 30.0
     """How long `retrieve_future` holds a poll before answering 408 (the SDK waits 45 s)."""
 
 
+    def accepted(self) -> Keys:
+        """The keys this service accepts, each with its tenant."""
+        if self.keys is not None:
+            return self.keys
+        return Keys.any_key() if self.api_key is None else Keys.single(self.api_key, "the service's API key")
+
+
 def _error(status: int, detail: str, field: str | None = None) -> JSONResponse:
     return JSONResponse({"detail": detail, "field": field}, status_code=status)
-
-
-def _pydantic_error(e: pydantic.ValidationError) -> JSONResponse:
-    first = e.errors()[0]
-    loc = ".".join(str(p) for p in first.get("loc", ()))
-    return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid')}", loc or "body")
 
 
 async def _parse(request: Request, cls: type[pydantic.BaseModel]) -> Any:
@@ -54,19 +63,7 @@ async def _parse(request: Request, cls: type[pydantic.BaseModel]) -> Any:
 
 
 async def _body(request: Request) -> bytes:
-    settings: TinkerSettings = request.app.state.tinker_settings
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > settings.max_body_bytes:
-        raise _TooLarge(int(declared), settings.max_body_bytes)
-    body = await request.body()
-    if len(body) > settings.max_body_bytes:
-        raise _TooLarge(len(body), settings.max_body_bytes)
-    return body
-
-
-class _TooLarge(Exception):
-    def __init__(self, size: int, bound: int):
-        super().__init__(f"the request body of {size} bytes is over this service's bound of {bound} bytes")
+    return await request.body()  # the guard has read it already, within the bound
 
 
 def _svc(request: Request) -> Service:
@@ -108,8 +105,6 @@ async def heartbeat(request: Request) -> Any:
 
 async def finish(request: Request) -> Any:
     body = await _body(request)
-    import json
-
     try:
         reason = (json.loads(body or b"{}").get("reason") or {}).get("type", "success")
     except (ValueError, AttributeError):
@@ -130,7 +125,16 @@ async def capabilities(request: Request) -> Any:
     ).model_dump(mode="json")
 
 
-async def healthz(_request: Request) -> Any:
+HEALTH_PROBE_S = 2.0
+"""How long `healthz` waits for the worker to answer its probe."""
+
+
+async def healthz(request: Request) -> Any:
+    """200 `{"status": "ok"}` only while the worker answers (`Runtime.health`); else 503 in the
+    service's error shape with the reason (dead, hung, being restarted)."""
+    problem = await asyncio.to_thread(_svc(request).runtime.health, HEALTH_PROBE_S)
+    if problem is not None:
+        return _error(503, problem)
     return {"status": "ok"}
 
 
@@ -229,21 +233,86 @@ async def list_checkpoints(request: Request) -> Any:
 
 
 async def delete_checkpoint(request: Request) -> Any:
-    _svc(request).delete_checkpoint(request.path_params["run_id"], request.path_params["checkpoint_id"])
+    await _svc(request).delete_checkpoint(request.path_params["run_id"], request.path_params["checkpoint_id"])
     return {}
 
 
-async def weights_info(request: Request) -> Any:
-    import json
+def _checkpoint_id(request: Request) -> str:
+    return f"{request.path_params['kind']}/{request.path_params['name']}"
 
+
+async def publish(request: Request) -> Any:
+    _svc(request).publish(request.path_params["run_id"], _checkpoint_id(request), request.method == "POST")
+    return {}
+
+
+async def set_ttl(request: Request) -> Any:
     body = json.loads(await _body(request) or b"{}")
+    if not isinstance(body, dict) or "ttl_seconds" not in body:
+        raise Invalid("the body must be {'ttl_seconds': SECONDS or null}", "ttl_seconds")
+    _svc(request).set_ttl(request.path_params["run_id"], _checkpoint_id(request), body["ttl_seconds"])
+    return {}
+
+
+def _page(request: Request) -> tuple[Any, Any]:
+    """`limit` and `offset` query parameters as integers (a non-number is passed on for the service to refuse)."""
+    out = []
+    for name, default in (("limit", 20), ("offset", 0)):
+        raw = request.query_params.get(name)
+        out.append(default if raw is None else int(raw) if raw.lstrip("-").isdigit() else raw)
+    return out[0], out[1]
+
+
+async def list_training_runs(request: Request) -> Any:
+    return _svc(request).list_runs(*_page(request)).model_dump(mode="json")
+
+
+async def list_user_checkpoints(request: Request) -> Any:
+    return _svc(request).list_user_checkpoints(*_page(request)).model_dump(mode="json")
+
+
+async def get_session(request: Request) -> Any:
+    return _svc(request).get_session(request.path_params["session_id"]).model_dump(mode="json")
+
+
+async def list_sessions(request: Request) -> Any:
+    return _svc(request).list_sessions(*_page(request)).model_dump(mode="json")
+
+
+async def not_served(request: Request) -> Any:
+    raise NotFound(f"{request.method} {request.url.path} is not an endpoint of this service (see docs/tinker.md "
+                   "for what it serves)", "path")
+
+
+async def weights_info(request: Request) -> Any:
+    body = json.loads(await _body(request) or b"{}")
+    if not isinstance(body, dict) or not isinstance(body.get("tinker_path"), str):
+        raise Invalid("the body must be {'tinker_path': 'tinker://...'}", "tinker_path")
     svc = _svc(request)
-    model_id, _, _, d = svc.resolve(str(body.get("tinker_path")), "tinker_path")
+    model_id, _, _, d = svc.resolve(body["tinker_path"], "tinker_path")
     meta = svc.checkpoint_meta(model_id, d)
     lora = meta["lora"]
     return types.WeightsInfoResponse(base_model=meta["base_model"], is_lora=True, lora_rank=lora["rank"],
                                      train_unembed=lora["train_unembed"], train_mlp=lora["train_mlp"],
                                      train_attn=lora["train_attn"]).model_dump(mode="json")
+
+
+async def save_weights_external(request: Request) -> Any:
+    req = await _parse(request, types.SaveWeightsExternalRequest)
+    return _future(request.app.state.tinker_external.save(_svc(request), req), model_id=req.model_id)
+
+
+async def external_weights_urls(request: Request) -> Any:
+    p = request.path_params
+    return request.app.state.tinker_external.urls(_svc(request), p["run_id"], _checkpoint_id(request),
+                                                  str(request.base_url)).model_dump(mode="json")
+
+
+async def external_weights_file(request: Request) -> Any:
+    """A file of an external weights checkpoint; no key: the URL's signature is checked instead."""
+    p = request.path_params
+    path = request.app.state.tinker_external.file(p["run_id"], p["name"], p["file"], request.query_params)
+    return FileResponse(path, media_type="application/json" if path.suffix == ".json" else "application/octet-stream")
 
 
 ROUTES: list[tuple[str, str, Any]] = [
@@ -257,8 +326,15 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("GET", "/samplers/{sampler_id}", get_sampler), ("POST", "/asample", asample),
     ("POST", "/retrieve_future", retrieve_future), ("GET", "/training_runs/{run_id}", training_run),
     ("GET", "/training_runs/{run_id}/checkpoints", list_checkpoints),
+    ("POST", "/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", publish),
+    ("DELETE", "/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", publish),
+    ("PUT", "/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl", set_ttl),
     ("DELETE", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", delete_checkpoint),
-    ("POST", "/weights_info", weights_info),
+    ("GET", "/training_runs", list_training_runs), ("GET", "/checkpoints", list_user_checkpoints),
+    ("GET", "/sessions/{session_id}", get_session), ("GET", "/sessions", list_sessions),
+    ("POST", "/weights_info", weights_info), ("POST", "/save_weights_external", save_weights_external),
+    ("GET", "/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls", external_weights_urls),
+    ("GET", "/external_weights/{run_id}/{name}/{file:path}", external_weights_file),
 ]
 """Every endpoint the pinned SDK and tinker-cookbook's recipes call (see docs/tinker.md)."""
 
@@ -266,32 +342,14 @@ ROUTES: list[tuple[str, str, Any]] = [
 def add_tinker_routes(app: FastAPI, service: Service, settings: TinkerSettings) -> FastAPI:
     """Serve `service` at `/api/v1` on `app` (the OpenAI endpoint's app, or a bare one)."""
     app.state.tinker = service
+    app.state.tinker_external = External.open(service.home)
     app.state.tinker_settings = settings
     router = APIRouter(prefix="/api/v1")
     for method, path, fn in ROUTES:
-        router.add_api_route(path, fn, methods=[method], name=f"tinker_{fn.__name__}")
+        router.add_api_route(path, fn, methods=[method], name=f"tinker_{fn.__name__}_{method.lower()}")
+    # last, so that it answers only what no route above does, in the service's error shape
+    router.add_api_route("/{rest:path}", not_served, methods=["GET", "POST", "PUT", "DELETE", "PATCH"],
+                         name="tinker_not_served")
     app.include_router(router)
-    app.middleware("http")(_guard)
+    app.add_middleware(Guard, settings=settings, refuse=service.refused)
     return app
-
-
-async def _guard(request: Request, call_next: Any) -> Response:
-    """The key check and the error shape of every `/api/v1` request."""
-    if not request.url.path.startswith("/api/v1/"):
-        return await call_next(request)
-    key = request.app.state.tinker_settings.api_key
-    given = request.headers.get("x-api-key", "")
-    # healthz answers without a key: it tells a load balancer or a launcher only that the service is up
-    if key is not None and request.url.path != "/api/v1/healthz" and \
-            not hmac.compare_digest(given.encode(), key.encode()):
-        return _error(401, "X-API-Key is missing or wrong for this service", "x-api-key")
-    try:
-        return await call_next(request)
-    except pydantic.ValidationError as e:
-        return _pydantic_error(e)
-    except (Invalid, wire.WireError) as e:
-        return _error(400, str(e), e.field)
-    except NotFound as e:
-        return _error(404, str(e), e.field)
-    except _TooLarge as e:
-        return _error(413, str(e), "body")

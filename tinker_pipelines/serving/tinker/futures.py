@@ -12,10 +12,13 @@ client's calls carry one `seq_id` counter, and the SDK sends the chunks of a spl
 from __future__ import annotations
 
 import asyncio
-import itertools
+import collections
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
+
+from tinker_pipelines.serving.tinker import tenancy
 
 
 @dataclass(frozen=True)
@@ -41,16 +44,19 @@ Result = Proto | Failed | dict[str, Any]
 @dataclass
 class _Entry:
     future: asyncio.Future
+    owner: str
     created: float = field(default_factory=time.monotonic)
 
 
 class Futures:
-    """Request ids and their results. Results are kept `keep_s` after they finish (a client
-    that retries its poll gets the same answer), then dropped."""
+    """Request ids and their results. Ids are random (uuid4), so an id from before a restart
+    never names another request. Results are kept `keep_s` after they finish (a client that
+    retries its poll gets the same answer), then dropped. A tenant sees only its own."""
 
     def __init__(self, keep_s: float = 3600.0):
         self._entries: dict[str, _Entry] = {}
-        self._ids = itertools.count()
+        self._finished: collections.deque[tuple[float, str]] = collections.deque()
+        """(when, request id) of finished requests, oldest first: expiry pops from the left."""
         self.keep_s = keep_s
         self._tasks: set[asyncio.Task] = set()
         """Running work; held here because the event loop keeps only weak references to tasks."""
@@ -62,9 +68,10 @@ class Futures:
 
     def new(self) -> tuple[str, asyncio.Future]:
         self._expire()
-        rid = f"req-{next(self._ids)}"
+        rid = f"req-{uuid.uuid4().hex}"
         fut = asyncio.get_running_loop().create_future()
-        self._entries[rid] = _Entry(fut)
+        self._entries[rid] = _Entry(fut, tenancy.current())
+        fut.add_done_callback(lambda _: self._finished.append((time.monotonic(), rid)))
         return rid, fut
 
     def run(self, work: Callable[[], Awaitable[Result]]) -> str:
@@ -74,13 +81,19 @@ class Futures:
         return rid
 
     def get(self, request_id: str) -> asyncio.Future | None:
+        """The future of `request_id` if the current tenant made it (O(1))."""
+        e = self._entries.get(request_id)
+        return None if e is None or e.owner != tenancy.current() else e.future
+
+    def own(self, request_id: str) -> asyncio.Future | None:
+        """The future of `request_id`, whoever made it (the service's own bookkeeping)."""
         e = self._entries.get(request_id)
         return None if e is None else e.future
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for rid in [r for r, e in self._entries.items() if e.future.done() and now - e.created > self.keep_s]:
-            del self._entries[rid]
+        while self._finished and now - self._finished[0][0] > self.keep_s:
+            self._entries.pop(self._finished.popleft()[1], None)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -145,7 +158,7 @@ class SeqQueue:
         try:
             while self.next in self._waiting:
                 rid, work = self._waiting.pop(self.next)
-                fut = self.futures.get(rid)
+                fut = self.futures.own(rid)
                 await _settle(fut, work)
                 self.next += 1
         finally:
@@ -160,7 +173,7 @@ class SeqQueue:
         waiting = sorted(self._waiting)
         for seq in waiting:
             rid, _ = self._waiting.pop(seq)
-            fut = self.futures.get(rid)
+            fut = self.futures.own(rid)
             if fut is not None and not fut.done():
                 fut.set_result(Failed(f"seq_id {missing} never arrived within {self.gap_timeout_s:g} s, so seq_id "
                                       f"{seq} (which must run after it) was not run", "user"))

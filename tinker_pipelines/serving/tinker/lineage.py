@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -229,6 +230,26 @@ class TinkerTracker:
         self._report(out, m, model_id, kind, name, step)
         return out
 
+    def checkpoint_deleted(self, model_id: str, kind: Literal["weights", "sampler_weights"], name: str) -> int:
+        """Forget a deleted checkpoint: every registered version of its tinker path and the run
+        artifacts `checkpoint_saved` copied it to, so no copy outlives the delete. How many
+        versions went (0 when it was never registered)."""
+        from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository as repository
+
+        reg = registered_name(model_id)
+        where = tinker_path(model_id, kind, name)
+        client = self.tracker.client
+        versions = client.search_model_versions(f"name = '{reg}' and tags.`tinker.path` = '{where}'", max_results=1000)
+        for v in versions:
+            client.delete_model_version(reg, str(v.version))
+        run_id = self._find_run(model_id)
+        if run_id is not None:
+            try:
+                repository(client.get_run(run_id).info.artifact_uri).delete_artifacts(f"tinker/{kind}/{name}")
+            except FileNotFoundError:
+                pass  # never copied (registration had failed) or already gone
+        return len(versions)
+
     def _claim(self, reg: str, model_id: str) -> None:
         """Create `reg` tagged with `model_id`; refuse when it holds another model id's versions."""
         self.tracker._ensure_model(reg)
@@ -279,3 +300,51 @@ def webserver_reporter(url: str, timeout_s: float = 10.0) -> Callable[[LineageRe
             raise RuntimeError(f"the Dagster webserver at {base} refused the report ({e.code}: "
                                f"{e.read()[:200].decode(errors='replace')})") from None
     return report
+
+
+class ResilientTracker:
+    """A tracker (`TinkerTracker`) whose calls never fail the service's: each is tried
+    `attempts` times with backoff (`backoff_s`, doubling), and one that still raises is logged
+    on one line and answered None. Tracking follows the work: an `optim_step` already applied or
+    a checkpoint already written is not failed because MLflow was unreachable. The tracker's
+    methods are idempotent (a run is found by its model id, a step logged once, a checkpoint
+    registered once per path and content), so a retry does no harm. `failures` counts the
+    calls given up on. Other attributes are the tracker's own."""
+
+    CALLS = ("start_model", "log_step", "end_model", "checkpoint_saved", "checkpoint_deleted")
+
+    def __init__(self, tracker: Any, attempts: int = 3, backoff_s: float = 0.25):
+        self.inner, self.attempts, self.backoff_s = tracker, attempts, backoff_s
+        self.failures = 0
+
+    @classmethod
+    def around(cls, tracker: Any) -> ResilientTracker:
+        return tracker if isinstance(tracker, cls) else cls(tracker)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.inner, name)
+        if name not in self.CALLS:
+            return value
+        return lambda *args, **kwargs: self._call(name, value, args, kwargs)
+
+    def _call(self, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        delay, attempt = self.backoff_s, 0
+        while True:
+            attempt += 1
+            try:
+                return fn(*args, **kwargs)
+            except ValueError as e:  # the tracker refused what it was given: trying again changes nothing
+                why = e
+                break
+            except Exception as e:  # noqa: BLE001 - tracking must not fail the work it records
+                why = e
+            if attempt >= self.attempts:
+                break
+            time.sleep(delay)
+            delay *= 2
+        self.failures += 1
+        text = str(why).strip().splitlines()
+        log.warning("tracking: %s(%s) failed (%d %s), given up (the call it tracks stands): %s: %s", name,
+                    ", ".join(repr(a) for a in args[:3]), attempt, "try" if attempt == 1 else "tries",
+                    type(why).__name__, text[0] if text else "")
+        return None

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import msgspec
 
 from tinker_pipelines.rollout.prompt_scores import PromptScores, PromptScoring
+from tinker_pipelines.worker import WorkerDiedError
 from tinker_pipelines.worker import messages as M
 
 
@@ -135,10 +136,8 @@ class SampleBatcher:
                 self.calls += 1
                 try:
                     reply = await asyncio.to_thread(self.send, self._conns[key], merged)
-                except Exception as e:  # noqa: BLE001 - every call of the group gets the error
-                    for p in group:
-                        if not p.future.done():
-                            p.future.set_exception(e)
+                except Exception as e:  # noqa: BLE001 - the group's calls get the error, or each its own
+                    await self._fail_alone(key, group, e)
                     continue
                 self._split(group, reply)
         except BaseException as e:  # a bug here must fail the calls, not leave their clients polling forever
@@ -150,6 +149,25 @@ class SampleBatcher:
             self._busy.discard(key)
             self._queues.pop(key, None)
             self._conns.pop(key, None)
+
+    async def _fail_alone(self, key: int, group: list[_Pending], e: Exception) -> None:
+        """A merged call failed: if the worker is there, each call runs again alone, so only the
+        one that cannot run fails and the others get what they would have got without it. A dead
+        worker fails them all at once."""
+        if len(group) == 1 or isinstance(e, WorkerDiedError):
+            for p in group:
+                if not p.future.done():
+                    p.future.set_exception(e)
+            return
+        for p in group:
+            self.calls += 1
+            try:
+                reply = await asyncio.to_thread(self.send, self._conns[key], p.call)
+            except Exception as alone:  # noqa: BLE001 - this call's own failure
+                if not p.future.done():
+                    p.future.set_exception(alone)
+                continue
+            self._split([p], reply)
 
     async def _settle(self, key: int) -> None:
         """Wait while calls are still arriving for connection `key` (see the module's doc)."""

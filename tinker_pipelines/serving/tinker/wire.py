@@ -8,6 +8,7 @@ fails `tests/test_tinker_sdk_types.py` before it fails a user. Nothing here is a
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,6 +37,12 @@ class WireError(ValueError):
         """(model_id, seq_id) of a training call refused after both were read."""
 
 
+class BodyTooLarge(WireError):
+    """A body over the service's bound once inflated (answered 413)."""
+
+    status = 413
+
+
 @dataclass(frozen=True)
 class TinkerDatum:
     """One decoded datum: its tokens and its `loss_fn_inputs` as tensors."""
@@ -59,18 +66,21 @@ _NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32
 
 
 def decompress(body: bytes, encoding: str | None, max_bytes: int) -> bytes:
-    """The body as the SDK sent it, zstd undone (`Content-Encoding: zstd`); a frame that would
-    decompress past `max_bytes` is refused before it is inflated."""
+    """The body as the SDK sent it, zstd undone (`Content-Encoding: zstd`), read as a stream that
+    stops at `max_bytes` of output: a frame's declared content size cannot be trusted, and
+    `ZstdDecompressor.decompress` ignores `max_output_size` when the frame declares one (the SDK's
+    frames always do), so it would inflate a bomb in full before any check."""
     if (encoding or "identity").lower() in ("identity", ""):
         return body
     if encoding.lower() != "zstd":
         raise WireError(f"Content-Encoding {encoding!r} is not supported (zstd or none)", "content-encoding")
     try:
-        out = zstandard.ZstdDecompressor().decompress(body, max_output_size=max_bytes)
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body), read_across_frames=True) as reader:
+            out = reader.read(max_bytes + 1)
     except zstandard.ZstdError as e:
         raise WireError(f"the zstd body does not decompress ({e})", "body") from None
     if len(out) > max_bytes:
-        raise WireError(f"the body decompresses to more than {max_bytes} bytes", "body")
+        raise BodyTooLarge(f"the body decompresses to more than this service's bound of {max_bytes} bytes", "body")
     return out
 
 

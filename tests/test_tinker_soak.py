@@ -81,9 +81,6 @@ def test_a_two_minute_soak_meets_the_goals(tmp_path):
 
 
 @pytest.mark.e2e  # a service and its worker, SIGKILLed
-@pytest.mark.xfail(strict=True, raises=tinker.RequestFailedError, reason="found by the soak: after a worker restart, a sampler whose checkpoint was "
-                                       "deleted fails every sample with the worker's 'unknown adapter' (a server "
-                                       "failure) instead of answering 410 as a sampler whose weights are gone")
 def test_a_sampler_of_a_deleted_checkpoint_answers_410_after_a_worker_restart(tmp_path):
     import os
     import signal
@@ -109,6 +106,6 @@ def test_a_sampler_of_a_deleted_checkpoint_answers_410_after_a_worker_restart(tm
             time.sleep(0.2)
         with pytest.raises(tinker.APIStatusError) as gone:
             sampler.sample(prompt, 1, greedy).result(timeout=60)
-        assert gone.value.status_code == 410
+        assert gone.value.status_code == 410 and "its checkpoint was deleted while it sampled" in str(gone.value)
     finally:
         handle.stop()

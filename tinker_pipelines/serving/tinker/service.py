@@ -274,6 +274,15 @@ class Service:
             m.trainer.close()
             if self.tracker is not None:
                 self.futures.spawn(asyncio.to_thread(self.tracker.end_model, m.model_id, "failed"))
+        for source, (adapter, users) in list(self._loaded.items()):
+            if (Path(source) / "record.json").exists():
+                continue  # the runtime loads it again on the new worker
+            del self._loaded[source]  # deleted while in use: only the old worker's memory held it
+            self.futures.spawn(asyncio.to_thread(self.runtime.unload, adapter))
+            for sid in users:
+                if sid in self.samplers:
+                    self.samplers[sid].gone = ("its checkpoint was deleted while it sampled, and the worker that still "
+                                               f"held its weights was restarted at {now_iso()}: its weights are gone")
 
     def heartbeat(self, session_id: str) -> None:
         self.session(session_id).last_heartbeat = time.monotonic()

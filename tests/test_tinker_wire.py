@@ -118,3 +118,21 @@ def test_calls_run_in_seq_id_order_and_a_gap_that_never_fills_fails_them():
         stale = await futures.get(q.submit(5, job(5)))
         assert isinstance(stale, Failed) and "already ran" in stale.error
     asyncio.run(scenario())
+
+
+def test_a_long_run_remembers_only_its_latest_seq_ids():
+    from tinker_pipelines.serving.tinker.futures import REMEMBERED_SEQ_IDS
+
+    async def scenario():
+        futures = Futures()
+        q = SeqQueue(futures, first=1)
+
+        async def ok():
+            return {}
+        rids = [q.submit(i, ok) for i in range(1, 3 * REMEMBERED_SEQ_IDS)]
+        while q.next < 3 * REMEMBERED_SEQ_IDS:
+            await asyncio.sleep(0.01)
+        assert len(q._ids) <= 2 * REMEMBERED_SEQ_IDS + 1
+        assert q.submit(3 * REMEMBERED_SEQ_IDS - 1, ok) == rids[-1]  # a recent re-send: the same future
+        return len(set(rids))
+    assert asyncio.run(scenario()) == 3 * REMEMBERED_SEQ_IDS - 1

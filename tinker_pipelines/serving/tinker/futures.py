@@ -115,6 +115,10 @@ def failure(e: BaseException) -> Failed:
     return Failed(message.splitlines()[0] if message else type(e).__name__, "user" if user else "server")
 
 
+REMEMBERED_SEQ_IDS = 1024
+"""How many of a model's latest calls a re-send is recognised for (a long run makes millions)."""
+
+
 class SeqQueue:
     """One model's calls, run one at a time in `seq_id` order (from `first`)."""
 
@@ -161,6 +165,8 @@ class SeqQueue:
                 fut = self.futures.own(rid)
                 await _settle(fut, work)
                 self.next += 1
+                if len(self._ids) > 2 * REMEMBERED_SEQ_IDS:
+                    self._ids = {k: v for k, v in self._ids.items() if k >= self.next - REMEMBERED_SEQ_IDS}
         finally:
             self._running = False
         self._kick()

@@ -402,6 +402,8 @@ class Soak:
             "soak_saves_checked": len(saves), "soak_resumes_checked": len(probes),
             "soak_resumes_after_worker_kill": sum(1 for r in records if r.get("ev") == "loaded"
                                                   and r.get("why") == "worker_kill"),
+            "soak_resumes_after_client_kill": sum(1 for r in records if r.get("ev") == "loaded"
+                                                  and r.get("why") == "predecessor"),
             "soak_rss_mb": {"baseline": base and [round(x) for x in base], "end": last and [round(x) for x in last]},
             "soak_adapters_end": {"service": end["service"], "worker": end["worker"],
                                   "live_sessions": end["live_sessions"]},
@@ -447,23 +449,32 @@ def _round(x: float | None, digits: int = 3) -> float | None:
 
 
 # -- tinker-cookbook's DPO and distillation trainers, after the soak ---------------------------------
+COOKBOOK_SKIP = ("log_path", "student_start")
+
+
 def cookbook_part(handle: Any, base: str, work: Path) -> dict:
-    """`benchmarks/cookbook_drivers.py`'s `run_dpo` / `run_distill` against the soaked service,
-    when that module provides them (it is being written beside this one); {} otherwise."""
+    """tinker-cookbook's DPO and SDFT trainers, unmodified (`benchmarks/cookbook_dpo_distill.py`'s
+    `run_dpo` and `run_distill`, from `.venv-cookbook`), against the service the soak leaves
+    behind once its clients are gone; {} where that module or environment is missing."""
     try:
-        from benchmarks import cookbook_drivers
+        from benchmarks import cookbook_dpo_distill as trainers
     except ImportError as e:
-        print(f"cookbook drivers: not run ({type(e).__name__}: {e})", flush=True)
+        print(f"cookbook trainers: not run ({type(e).__name__}: {e})", flush=True)
+        return {}
+    if not cr.COOKBOOK_PYTHON.exists():
+        print(f"cookbook trainers: not run (no {cr.COOKBOOK_PYTHON}: scripts/setup_cookbook)", flush=True)
         return {}
     out: dict = {}
     for key, name in (("cookbook_dpo", "run_dpo"), ("cookbook_distill", "run_distill")):
-        fn = getattr(cookbook_drivers, name, None)
-        if fn is None:
-            print(f"cookbook drivers: no {name}; not run", flush=True)
+        run = getattr(trainers, name, None)
+        if run is None:
+            print(f"cookbook trainers: {trainers.__name__} has no {name}; not run", flush=True)
             continue
-        metrics = fn(base_url=handle.url, api_key=KEY, model=base, work=work / key)
-        out[f"{key}_completed"] = bool(metrics)
-        out[f"{key}_metrics"] = metrics
+        r = run(handle.url, base, work / key, api_key=KEY)
+        out[f"{key}_completed"] = bool(r.get("completed"))
+        out[f"{key}_metrics"] = {k: v for k, v in r.items() if k not in COOKBOOK_SKIP and not isinstance(v, (list, dict))}
+        print(f"{key}: completed={out[f'{key}_completed']} in {r.get('seconds')} s: {out[f'{key}_metrics']}",
+              flush=True)
     return out
 
 
@@ -471,7 +482,7 @@ def cookbook_part(handle: Any, base: str, work: Path) -> dict:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
-    p.add_argument("--model-dir", help="SmolLM2 as written by `tinker-pipelines model-dir` (default: written "
+    p.add_argument("--model-dir", help="the model as written by `tinker-pipelines model-dir` (default: written "
                                        "under --work)")
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--clients", type=int, default=8)
@@ -482,6 +493,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worker-kill-at", type=float, help="seconds to the worker kill (default: half time; < 0: none)")
     p.add_argument("--session-ttl-s", type=float, default=SESSION_TTL_S)
     p.add_argument("--think-s", type=float, default=0.3, help="a client's mean pause between operations")
+    p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                   help="an argument for the worker (`tinker-pipelines worker --help`), e.g. --worker-arg=--hold-ms=0")
     p.add_argument("--no-cookbook", action="store_true", help="skip the cookbook trainers after the soak")
     a = p.parse_args(argv)
     if a.minutes <= 0 or a.clients < 1:
@@ -494,9 +507,16 @@ def start(args: argparse.Namespace, work: Path) -> tuple[Any, str]:
     from benchmarks.tinker_api import free_port, model_dir
     from tinker_pipelines.serving.tinker.launch import start_service
 
-    base = "tiny" if args.model == "tiny" else str(model_dir(work, args.model_dir))
+    if args.model_dir:
+        base = str(Path(args.model_dir).resolve())
+    elif args.model == "tiny":  # a directory too, so the cookbook's trainers can load its tokenizer
+        from tinker_pipelines.models.hf_dir import write_model_dir
+
+        base = str(write_model_dir("tiny", work / "tiny")[0])
+    else:
+        base = str(model_dir(work, None))
     handle = start_service(base, port=free_port(), home=work / "home", api_key=KEY, device="cpu", dtype="float32",
-                           session_ttl_s=args.session_ttl_s, min_ttl_s=MIN_TTL_S)
+                           session_ttl_s=args.session_ttl_s, min_ttl_s=MIN_TTL_S, worker_args=args.worker_arg)
     return handle, base
 
 

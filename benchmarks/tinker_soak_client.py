@@ -130,14 +130,18 @@ class Client:
         self.n = 0
         self.hung = False
         self.extra: dict[str, Any] = {}
+        self.inherited = bool(a.resume)
+        """Its resume point is the killed predecessor's: its first training client loads it."""
         if a.resume:
             r = json.loads(a.resume)
             self.resume = SavePoint(r["path"], r["steps"], r["probe"])
 
     # -- calls ----------------------------------------------------------------------------
-    def call(self, op: str, fn: Callable[[], Any], bad: Bad | None = None, start: float | None = None) -> Any:
+    def call(self, op: str, fn: Callable[[], Any], bad: Bad | None = None, start: float | None = None,
+             ended: Callable[[], float | None] = lambda: None) -> Any:
         """Run `fn` (which resolves its futures with `wait`), log it, and return its value (None
-        when it failed). `start`: when its request went out, if before now."""
+        when it failed). `start`: when its request went out, if before now; `ended`: when its
+        future resolved, if known (several in flight are waited for one after another)."""
         start = time.time() if start is None else start
         self.log.write(ev="begin", op=op, t=start)
         self.hung, self.extra = False, {}
@@ -145,7 +149,7 @@ class Client:
             value, err = fn(), None
         except Exception as e:  # noqa: BLE001 - every failure is classified and logged
             value, err = None, e
-        end = time.time()
+        end = ended() or time.time()
         outcome, why = classify(err, bad)
         record = {"ev": "call", "op": op, "start": start, "end": end, "outcome": outcome, "why": why,
                   "hung": self.hung or end - start > HUNG_S, **self.extra}
@@ -319,8 +323,9 @@ class Client:
     def recover(self) -> None:
         """A training client again: from the resume point (then saved at once, so its step count is
         checked), or a new one."""
-        if self.resume is not None and (self.lost or self.rng.random() < 0.6):
-            why = "worker_kill" if self.lost else "new_session"
+        if self.resume is not None and (self.lost or self.inherited or self.rng.random() < 0.6):
+            why = "worker_kill" if self.lost else "predecessor" if self.inherited else "new_session"
+            self.inherited = False
             if self.load(self.resume, True, why) and self.tc is not None and not self.lost:
                 self.save()
         else:
@@ -370,15 +375,17 @@ class Client:
             return
         k = self.rng.randint(2, 4)
         bad_at = self.rng.randrange(k) if self.rng.random() < 0.3 else None
-        issued, futures = time.time(), []
+        issued, futures, resolved = time.time(), [], [None] * k
         for i in range(k):
             tokens = self.tokens(self.rng.randint(2, 16))
             if i == bad_at:
                 tokens[self.rng.randrange(len(tokens))] = self.a.vocab + self.rng.randrange(1000)
-            futures.append(sampler.sample(types.ModelInput.from_ints(tokens), 1, params))
+            fut = sampler.sample(types.ModelInput.from_ints(tokens), 1, params)
+            fut.future().add_done_callback(lambda _, i=i: resolved.__setitem__(i, time.time()))
+            futures.append(fut)
         for i, fut in enumerate(futures):
-            self.call("sample_merged", lambda fut=fut: self.wait(fut),
-                      bad=Bad("bad_row", "prompt") if i == bad_at else None, start=issued)
+            self.call("sample_merged", lambda fut=fut: self.wait(fut), bad=Bad("bad_row", "prompt") if i == bad_at
+                      else None, start=issued, ended=lambda i=i: resolved[i])
 
     def op_snapshot(self) -> None:
         sampler = self.call("save_weights_and_get_sampling_client",

@@ -78,7 +78,9 @@ def service(model_dir: Path, home: Path, api_key: str = cr.API_KEY, tracking: bo
 
         os.environ["TINKER_HOME"] = str(home)  # registry_from_env: this home's MLflow and artifacts
         kwargs["tracker"] = TinkerTracker.from_env()
-    handle = start_service(model=str(model_dir), port=free_port(), home=home, api_key=api_key, **kwargs)
+    # fp32 as the in-process replica loads it (`auto` is bf16 on CPUs with AMX/AVX512-BF16)
+    handle = start_service(model=str(model_dir), port=free_port(), home=home, api_key=api_key, dtype="float32",
+                           **kwargs)
     try:
         yield handle
     finally:

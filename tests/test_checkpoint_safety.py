@@ -45,6 +45,7 @@ def test_every_torch_load_in_the_project_is_weights_only():
 def run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("safety") / "run"
     train(config_from_dict({"seed": 1, "output_dir": str(out), "env": {"path": "arithmetic"},
+                            "model": {"name": "tiny", "dtype": "float32"},
                             "training": {"iterations": 1, "groups_per_batch": 2, "group_size": 2,
                                          "max_new_tokens": 2},
                             "eval": {"every": 1, "num_tasks": 2}}))

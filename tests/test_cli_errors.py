@@ -70,7 +70,7 @@ ENVS = textwrap.dedent('''
             return super().step(action)
 ''')
 
-TINY = {"model": {"name": "tiny"}, "env": {"path": "cli_fault_envs:Fine"},
+TINY = {"model": {"name": "tiny", "dtype": "float32"}, "env": {"path": "cli_fault_envs:Fine"},
         "training": {"iterations": 1, "groups_per_batch": 1, "group_size": 2, "max_new_tokens": 2},
         "eval": {"every": 100, "num_tasks": 1}}
 
@@ -318,7 +318,7 @@ def test_worker_with_model_kwargs_its_builder_does_not_take(tmp_path, capsys):
     rc, err = main(["worker", "--model", "tiny", "--model-kwargs", '{"hiden": 3}', "--socket", str(tmp_path / "w.sock")],
                    capsys)
     assert rc == 2 and not (tmp_path / "w.sock").exists()  # refused before the model loads
-    error_line(err, "error: --model-kwargs.hiden is not an argument of tiny (known: hidden_size, num_layers)")
+    error_line(err, "error: --model-kwargs.hiden is not an argument of tiny (known: hidden_size, num_layers, arch)")
 
 
 def test_warnings_are_one_line_and_library_noise_is_dropped(finished_run, tmp_path, envs_dir):

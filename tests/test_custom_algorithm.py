@@ -32,6 +32,7 @@ def test_registered_loss_trains_through_the_config(tmp_path):
     cfg = config_from_dict({
         "seed": 0,
         "output_dir": str(tmp_path / "run"),
+        "model": {"name": "tiny", "dtype": "float32"},  # the numbers below were measured in fp32
         # A short SFT warm start makes the tiny model answer, right or wrong, so groups have mixed
         # rewards and every iteration takes an optimizer step.
         "env": {"path": "arithmetic", "kwargs": {"max_operand": 3}},

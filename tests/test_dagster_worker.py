@@ -18,7 +18,7 @@ from tinker_pipelines.worker.client import start_worker
 
 pytestmark = pytest.mark.e2e  # end to end (pyproject's `e2e` marker)
 
-CFG = {"seed": 5, "model": {"name": "tiny", "seed": 0}, "env": {"path": "test_worker:ShortReplyEnv", "eval_kwargs": {}},
+CFG = {"seed": 5, "model": {"name": "tiny", "seed": 0, "dtype": "float32"}, "env": {"path": "test_worker:ShortReplyEnv", "eval_kwargs": {}},
        "algorithm": {"name": "grpo", "kl_coef": 0.05},
        "training": {"mode": "lora", "iterations": 2, "learning_rate": 1e-2, "groups_per_batch": 3, "group_size": 4,
                     "max_new_tokens": 6},
@@ -27,7 +27,7 @@ CFG = {"seed": 5, "model": {"name": "tiny", "seed": 0}, "env": {"path": "test_wo
 
 def test_rl_job_on_a_worker_equals_the_plain_loop(tmp_path, monkeypatch):
     address = tmp_path / "w.sock"
-    proc = start_worker("tiny", address, device="cpu", log=tmp_path / "log",
+    proc = start_worker("tiny", address, device="cpu", dtype="float32", log=tmp_path / "log",
                         extra=["--no-batching", "--threads", str(torch.get_num_threads())])
     try:
         monkeypatch.setenv("TINKER_WORKER", str(address))

@@ -24,7 +24,10 @@ own forward round differently at 8 bits of mantissa)."""
 def test_device_and_dtype_resolution():
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert resolve_dtype("auto", "cpu") == torch.float32
+    # bf16 on a CPU with AMX/AVX512-BF16, else fp32 (tests/test_cpu_dtype.py fakes both kinds)
+    from tinker_pipelines.models.dtypes import cpu_bf16_flag
+
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if cpu_bf16_flag() else torch.float32)
     assert resolve_dtype("bf16", "cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="model.device must be"):
         resolve_device("tpu:0")

@@ -26,6 +26,7 @@ from tinker_pipelines.types import Trajectory, TrajectoryGroup, Turn
 
 DPO_SMALL = {
     "seed": 3,
+    "model": {"name": "tiny", "dtype": "float32"},
     "env": {"path": "arithmetic", "kwargs": {"max_operand": 3}},
     "algorithm": {"name": "dpo"},
     "training": {"mode": "lora", "learning_rate": 5e-3, "max_new_tokens": 4, "micro_batch_size": 8},

@@ -44,7 +44,7 @@ def envs_module(tmp_path, monkeypatch):
 
 
 def _cfg(tmp_path, env: dict) -> dict:
-    return {"seed": 0, "output_dir": str(tmp_path / "out"), "model": {"name": "tiny"}, "env": env,
+    return {"seed": 0, "output_dir": str(tmp_path / "out"), "model": {"name": "tiny", "dtype": "float32"}, "env": env,
             "training": {"iterations": 1, "groups_per_batch": 2, "group_size": 2, "max_new_tokens": 4},
             "eval": {"every": 1, "num_tasks": 2}}
 

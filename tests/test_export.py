@@ -26,7 +26,7 @@ from tinker_pipelines.serving.registry import Registry
 from tinker_pipelines.tracking import registered_model_name
 from tinker_pipelines.tracking.mlflow_tracker import EXPERIMENT_TAG, checks_tags
 
-CFG = {**NO_SFT, "model": {"name": "tiny", "kwargs": {"num_layers": 2}}}
+CFG = {**NO_SFT, "model": {"name": "tiny", "kwargs": {"num_layers": 2}, "dtype": "float32"}}
 SFT = {**CFG, "sft": {"steps": 2, "batch_size": 4, "examples": 8, "learning_rate": 3e-2}}
 SFT_RERUN = {**SFT, "sft": {**SFT["sft"], "learning_rate": 1e-2}}
 """The same experiment's warm start run again with another setting: the same catalogue base

@@ -162,13 +162,13 @@ def test_rl_job_on_the_gpu_executor_with_a_worker(tmp_path):
     from tinker_pipelines.worker.client import WorkerClient, start_worker
 
     address = tmp_path / "w.sock"
-    worker = start_worker("tiny", address, device="cpu", log=tmp_path / "worker.log",
+    worker = start_worker("tiny", address, device="cpu", dtype="float32", log=tmp_path / "worker.log",
                           extra=["--threads", str(torch.get_num_threads())])
     try:
         home = tmp_path / "dagster"
         home.mkdir()
         (home / "dagster.yaml").write_text("")
-        settings = {"seed": 2, "model": {"name": "tiny", "seed": 0}, "env": {"path": "test_worker:ShortReplyEnv",
+        settings = {"seed": 2, "model": {"name": "tiny", "seed": 0, "dtype": "float32"}, "env": {"path": "test_worker:ShortReplyEnv",
                                                                             "eval_kwargs": {}},
                     "training": {"iterations": 1, "groups_per_batch": 2, "group_size": 4, "max_new_tokens": 4},
                     "eval": {"every": 1, "num_tasks": 4}}

@@ -156,7 +156,7 @@ def test_inference_on_a_resident_worker_equals_in_process(instance, tmp_path, mo
 
     base = defs.resources["artifact_store"].store().local_dir(f"{EXP}/sft").resolve()
     address = tmp_path / "w.sock"
-    proc = start_worker(str(base), address, device="cpu", log=tmp_path / "log",
+    proc = start_worker(str(base), address, device="cpu", dtype="float32", log=tmp_path / "log",
                         extra=["--no-batching", "--threads", str(torch.get_num_threads())])
     try:
         monkeypatch.setenv("TINKER_WORKER", str(address))

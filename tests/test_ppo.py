@@ -151,6 +151,7 @@ def test_value_loss_decreases_on_a_fixed_batch(tiny):
 
 SMALL_PPO = {
     "seed": 5,
+    "model": {"name": "tiny", "dtype": "float32"},
     "env": {"path": "arithmetic", "kwargs": {"max_operand": 3}},
     "algorithm": {"name": "ppo", "kl_coef": 0.05, "kl_estimator": "k1"},
     "training": {"mode": "lora", "iterations": 3, "learning_rate": 5e-3, "groups_per_batch": 2,

@@ -148,6 +148,7 @@ def test_forward_backward_micro_batches_match(tiny):
 
 SMALL = {
     "seed": 3,
+    "model": {"name": "tiny", "dtype": "float32"},
     "env": {"path": "arithmetic", "kwargs": {"max_operand": 3, "partial_credit": 0.5}},
     "algorithm": {"name": "grpo", "kl_coef": 0.05},
     "training": {"mode": "lora", "iterations": 2, "learning_rate": 5e-3, "groups_per_batch": 4,

@@ -16,7 +16,8 @@ from tinker_pipelines.config import config_from_dict
 from tinker_pipelines.loops.run_dir import restore_metrics
 from tinker_pipelines.loops.train import Experiment, deterministic_metrics, train
 
-CFG = {"seed": 2, "env": {"path": "arithmetic", "kwargs": {"max_operand": 3}},
+CFG = {"seed": 2, "model": {"name": "tiny", "dtype": "float32"},  # fp32 whatever the CPU's bf16
+       "env": {"path": "arithmetic", "kwargs": {"max_operand": 3}},
        "algorithm": {"name": "grpo", "kl_coef": 0.05},
        "training": {"iterations": 3, "learning_rate": 5e-3, "groups_per_batch": 2, "group_size": 4, "max_new_tokens": 4,
                     "stop": ["\n\n"]},  # a list in YAML, a tuple in the config: every resume here compares the two

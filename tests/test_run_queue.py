@@ -38,7 +38,7 @@ DEVICES = 2
 EXPERIMENTS = ["qa", "qa", "qb", "qc"]
 """Submission order: qa's second run waits for its first (one run per experiment) and qc for a
 free device; qa and qb run together."""
-SFT = {"seed": 0, "model": {"name": "tiny"}, "env": {"path": "arithmetic", "kwargs": {"max_operand": 3}},
+SFT = {"seed": 0, "model": {"name": "tiny", "dtype": "float32"}, "env": {"path": "arithmetic", "kwargs": {"max_operand": 3}},
        "training": {"iterations": 1, "groups_per_batch": 2, "group_size": 2, "max_new_tokens": 2},
        "sft": {"steps": 2, "batch_size": 4, "examples": 8}, "eval": {"every": 1, "num_tasks": 2}}
 

@@ -398,7 +398,7 @@ def test_worker_process_serves_the_parameters(tiny, tmp_path):
 
     model, tok = tiny
     prompts = _prompts(len(tok))
-    proc = start_worker("tiny", tmp_path / "w.sock", device="cpu", extra=["--threads", "1"], log=tmp_path / "log")
+    proc = start_worker("tiny", tmp_path / "w.sock", device="cpu", dtype="float32", extra=["--threads", "1"], log=tmp_path / "log")
     try:
         client = WorkerClient(tmp_path / "w.sock")
         RemoteLearner(client, "e", LearnerConfig(top_p=0.8), seed=0, base_name="tiny")  # a fresh adapter: the base

@@ -38,7 +38,7 @@ pytestmark = pytest.mark.e2e  # end to end (pyproject's `e2e` marker)
 
 EXP = "serve"
 MODEL = registered_model_name(EXP)
-CFG = {**NO_SFT, "model": {"name": "tiny", "kwargs": {"num_layers": 2}}, "eval": {"every": 1, "num_tasks": 8}}
+CFG = {**NO_SFT, "model": {"name": "tiny", "kwargs": {"num_layers": 2}, "dtype": "float32"}, "eval": {"every": 1, "num_tasks": 8}}
 Q = [{"role": "user", "content": "What is 2 + 3?"}]
 
 
@@ -431,7 +431,7 @@ def test_served_from_a_resident_worker_the_tokens_are_the_same(instance, endpoin
     from tinker_pipelines.worker.client import start_worker
 
     sock = tmp_path / "w.sock"
-    proc = start_worker("tiny", sock, device="cpu", log=tmp_path / "log",
+    proc = start_worker("tiny", sock, device="cpu", dtype="float32", log=tmp_path / "log",
                         extra=["--seed", "3", "--model-kwargs", '{"num_layers": 2}', "--threads", "1"])
     try:
         server = build_server(worker=str(sock), registry=Registry(tracker(), _store()))

@@ -115,7 +115,7 @@ def test_a_bf16_learner_reports_its_compute_dtype():
 @pytest.mark.e2e
 def test_a_remote_learner_conforms_without_placeholders(tmp_path):
     address = tmp_path / "w.sock"
-    proc = start_worker("tiny", address, device="cpu", extra=["--threads", "1"], log=tmp_path / "log")
+    proc = start_worker("tiny", address, device="cpu", dtype="float32", extra=["--threads", "1"], log=tmp_path / "log")
     try:
         client = WorkerClient(address)
         learner = RemoteLearner(client, "exp", LearnerConfig(), seed=0)

@@ -22,7 +22,7 @@ from tinker_pipelines.worker.server import key_path
 
 pytestmark = pytest.mark.e2e  # end to end (pyproject's `e2e` marker)
 
-SMALL = {"seed": 3, "model": {"name": "tiny", "seed": 0},
+SMALL = {"seed": 3, "model": {"name": "tiny", "seed": 0, "dtype": "float32"},
          "env": {"path": "test_worker:ShortReplyEnv", "eval_kwargs": {}},
          "algorithm": {"name": "grpo", "kl_coef": 0.05},
          "training": {"iterations": 2, "groups_per_batch": 3, "group_size": 4, "max_new_tokens": 6,
@@ -54,7 +54,7 @@ def worker(tmp_path_factory):
     def make(*extra):
         d = tmp_path_factory.mktemp("w")
         address = d / "w.sock"
-        proc = start_worker("tiny", address, device="cpu", extra=["--threads", str(torch.get_num_threads()), *extra], log=d / "log")
+        proc = start_worker("tiny", address, device="cpu", dtype="float32", extra=["--threads", str(torch.get_num_threads()), *extra], log=d / "log")
         started.append(proc)
         return address, proc
 

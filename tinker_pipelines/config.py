@@ -33,12 +33,13 @@ class ModelConfig:
     name: str = "tiny"
     """'tiny', 'smollm2-135m-instruct' or a local Hugging Face model directory."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra arguments for the builder (for 'tiny': hidden_size, num_layers)."""
+    """Extra arguments for the builder (for 'tiny': hidden_size, num_layers, arch)."""
     device: str = "auto"
     """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
     dtype: str = "auto"
-    """'auto' (bf16 on GPUs that support it natively, fp32 on CPU), 'float32' or 'bfloat16'
-    ('float16' is refused: training has no loss scaling)."""
+    """'auto' (bf16 where the device computes it natively: a GPU of compute capability 8.0+, a
+    CPU with AMX or AVX512-BF16; fp32 elsewhere), 'float32' or 'bfloat16' ('float16' is refused:
+    training has no loss scaling)."""
     seed: int | None = None
     """Seed of the in-process 'tiny' model's weights (None: the experiment's seed); experiments
     that share a resident worker's base set the same value."""

@@ -135,6 +135,12 @@ def _train(args: argparse.Namespace, cfg, bars: list) -> None:
             rl_bar.update(1)
         tqdm.write(_fmt(m), file=sys.stdout)
 
+    if not args.worker:  # on a worker the worker's own log says which dtype it chose
+        from tinker_pipelines.models import dtype_note, resolve_dtype
+
+        note = dtype_note(cfg.model.dtype, cfg.model.device, resolve_dtype(cfg.model.dtype, cfg.model.device))
+        if note:
+            tqdm.write(note, file=sys.stdout)
     train(cfg, on_iteration=on_iter, on_sft_step=on_sft, resume=args.resume, worker=args.worker or None,
           overwrite=args.overwrite)
 
@@ -193,6 +199,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from tinker_pipelines.models import dtype_note
+
+    note = dtype_note(args.dtype, device, dtype)
+    if note:
+        print(note, flush=True)
     try:
         model, tok = load_model(args.model, seed=args.seed, dtype=dtype, device=device, **kwargs)
     except Exception as e:  # a broken model directory, bad builder kwargs, no memory on the device
@@ -214,7 +225,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def _add_worker_parser(sub) -> None:
     w = sub.add_parser("worker", help="a resident worker: one base model on one device, many experiments' adapters")
     w.add_argument("--model", default="tiny", help="catalog name or model directory (the base every adapter shares)")
-    w.add_argument("--model-kwargs", default="", help="JSON builder arguments (for tiny: hidden_size, num_layers)")
+    w.add_argument("--model-kwargs", default="",
+                   help="JSON builder arguments (for tiny: hidden_size, num_layers, arch)")
     w.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights")
     w.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     w.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")

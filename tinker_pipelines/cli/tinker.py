@@ -82,9 +82,11 @@ def _settings(args: argparse.Namespace):
         raise ValueError(f"--worker-timeout-s must be > 0, got {args.worker_timeout_s}")
     if args.pass_tokens is not None and args.pass_tokens < 0:
         raise ValueError(f"--pass-tokens must be >= 0 (0: one pass per call), got {args.pass_tokens}")
+    from tinker_pipelines.cli.support import flags_named
     from tinker_pipelines.models import check_model_name
 
-    check_model_name(args.model)
+    with flags_named():
+        check_model_name(args.model)
     return TinkerSettings(api_key=key, keys=keys, max_body_bytes=int(args.max_body_mb * 1024 * 1024))
 
 

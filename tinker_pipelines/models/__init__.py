@@ -15,10 +15,14 @@ CATALOG = ("tiny", "smollm2-135m-instruct")
 
 
 def check_model_name(name: str) -> None:
-    """Raise `ValueError` naming `model.name` unless it is in the catalog or a model directory."""
+    """Raise `ValueError` naming `model.name` unless it is in the catalog or a model directory
+    every part of the project can load (`hf_dir.check_model_dir`)."""
     if name in CATALOG:
         return
     if Path(name).is_dir() and (Path(name) / "config.json").exists():
+        from tinker_pipelines.models.hf_dir import check_model_dir
+
+        check_model_dir(name)  # before any weight loads: tokenizer, architecture, RoPE, weight shapes
         return
     raise ValueError(
         f"model.name {name!r} is neither one of {', '.join(CATALOG)} nor a local Hugging Face "
@@ -26,9 +30,9 @@ def check_model_name(name: str) -> None:
     )
 
 
-TINY_KWARGS = ("hidden_size", "num_layers")
+TINY_KWARGS = ("hidden_size", "num_layers", "arch")
 """The builder arguments `tiny` takes (`model.kwargs`); its 4 attention heads need a hidden
-size that 4 divides."""
+size that 4 divides; `arch` is one of `tiny.TINY_ARCHS` (default llama)."""
 
 
 def check_model_kwargs(name: str, kwargs: dict[str, Any], field: str = "model.kwargs") -> None:
@@ -43,6 +47,12 @@ def check_model_kwargs(name: str, kwargs: dict[str, Any], field: str = "model.kw
     for key, v in kwargs.items():
         if key not in TINY_KWARGS:
             raise ValueError(f"{field}.{key} is not an argument of tiny (known: {', '.join(TINY_KWARGS)})")
+        if key == "arch":
+            from tinker_pipelines.models.tiny import TINY_ARCHS
+
+            if v not in TINY_ARCHS:
+                raise ValueError(f"{field}.arch must be one of {', '.join(TINY_ARCHS)}, got {v!r}")
+            continue
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{field}.{key} must be an integer >= 1, got {v!r}")
     if kwargs.get("hidden_size", 128) % 4:
@@ -89,15 +99,20 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device = "auto") -> torch.dtype:
-    """`model.dtype`: 'auto' is bf16 on GPUs that support it natively, else fp32 (bf16 matmuls are
-    ~30x slower than fp32 on AVX2 CPUs, so the CPU stays in fp32). An explicit bf16 on a CUDA
-    device without native bf16 (compute capability < 8.0: V100, T4) raises `ValueError` naming
-    the device: torch would emulate it, slowly."""
+    """`model.dtype`: 'auto' is bf16 where the device computes it natively, else fp32: a GPU of
+    compute capability 8.0+, or a CPU with AMX or AVX512-BF16 (`dtypes.cpu_bf16_flag`; about 2x
+    the fp32 sampling speed there, while bf16 matmuls are ~30x slower than fp32 on AVX2 CPUs).
+    An explicit bf16 on a CUDA device without native bf16 (compute capability < 8.0: V100, T4)
+    raises `ValueError` naming the device: torch would emulate it, slowly."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         dev = resolve_device(device)
-        return torch.bfloat16 if dev.type == "cuda" and _bf16_native(dev) else torch.float32
+        if dev.type == "cuda":
+            return torch.bfloat16 if _bf16_native(dev) else torch.float32
+        from tinker_pipelines.models.dtypes import cpu_bf16_flag
+
+        return torch.bfloat16 if dev.type == "cpu" and cpu_bf16_flag() else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"model.dtype must be 'auto' or one of {', '.join(DTYPES)}, got {dtype!r}")
     dt = DTYPES[dtype]
@@ -107,6 +122,25 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device 
             if not _bf16_native(dev):
                 check_dtype_on_device(dt, dev, False, _device_name(dev))
     return dt
+
+
+def dtype_note(dtype: str | torch.dtype, device: str | torch.device, resolved: torch.dtype) -> str | None:
+    """The run log's one line saying what `model.dtype: auto` chose on `device` and why; None for
+    a dtype named outright."""
+    if dtype != "auto":
+        return None
+    dev = resolve_device(device)
+    name = str(resolved).removeprefix("torch.")
+    if dev.type == "cuda":
+        why = ("computes bf16 natively" if resolved == torch.bfloat16
+               else "has no native bf16 (compute capability < 8.0)")
+        return f"model.dtype auto: {name} ({dev} {why})"
+    from tinker_pipelines.models.dtypes import BF16_CPU_FLAGS, cpu_bf16_flag
+
+    flag = cpu_bf16_flag()
+    if flag is not None:
+        return f"model.dtype auto: {name} (this CPU has {flag}: bf16 matmuls run natively)"
+    return f"model.dtype auto: {name} (this CPU has neither {' nor '.join(BF16_CPU_FLAGS)})"
 
 
 def _bf16_native(dev: torch.device) -> bool:
@@ -200,8 +234,9 @@ def load_tokenizer(name: str, **kwargs: Any) -> PreTrainedTokenizerBase:
 
 def base_identity(name: str, kwargs: dict[str, Any] | None = None, seed: int = 0) -> str:
     """What makes two bases the same weights: the catalog name with its builder arguments (and,
-    for the seeded `tiny`, the seed); for a directory we wrote (an SFT warm start, an export's
-    base) the content hash of its record, wherever the copy lies; else its absolute path."""
+    for the seeded `tiny`, the seed); for a model directory the content hash of its weights,
+    wherever the copy lies: recorded in a directory we wrote (an SFT warm start, an export's base,
+    `model-dir`), computed once per process for a user's own (`hf_dir.dir_identity`)."""
     if name == "tiny":
         args = {**(kwargs or {}), "seed": seed}
         return "tiny(" + ",".join(f"{k}={args[k]}" for k in sorted(args)) + ")"
@@ -219,6 +254,10 @@ def base_identity(name: str, kwargs: dict[str, Any] | None = None, seed: int = 0
             digest = None
         if isinstance(digest, str) and digest:
             return f"sha256:{digest}"
+    if (Path(name) / "config.json").is_file():
+        from tinker_pipelines.models.hf_dir import dir_identity
+
+        return dir_identity(name)
     return str(Path(name).resolve())
 
 

@@ -13,6 +13,7 @@ wherever the directory is copied.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +87,154 @@ def write_model_dir(name: str, out: str | Path, seed: int = 0, overwrite: bool =
         for f in tmp.iterdir():
             f.chmod(0o644)
     return out, True
+
+
+# -- a user's own model directory -------------------------------------------------------------------
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+"""Files of which a model directory must hold one for `AutoTokenizer` to build its tokenizer."""
+_checked: dict[str, tuple] = {}
+"""Directories `check_model_dir` passed, by their files' (name, size, mtime) signature."""
+_hashes: dict[str, tuple[tuple, str]] = {}
+"""Content hashes of directories without a record, by path: (signature, hash)."""
+
+
+def _signature(d: Path) -> tuple:
+    """What changes when a file of the directory is added, removed, rewritten or touched."""
+    return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in d.iterdir() if f.is_file()))
+
+
+def check_model_dir(path: str | Path, field: str = "model.name") -> None:
+    """Raise `ValueError` (one line naming `field` and the directory) unless `path` is a Hugging
+    Face model directory every part of the project can load: a tokenizer, a config transformers
+    builds as a causal LM with a RoPE type it knows, and safetensors weights whose names and
+    shapes are those the config makes. Only the files' headers are read, no weight."""
+    d = Path(path)
+    key = str(d.resolve())
+    sig = _signature(d)
+    if _checked.get(key) == sig:
+        return
+    where = f"{field} {path}"
+    try:
+        raw = json.loads((d / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: config.json is not JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: config.json is not a JSON object")
+    if not any((d / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"{where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the model's "
+                         "tokenizer beside its config.json (tokenizer.save_pretrained)")
+    _check_rope(raw, where)
+    config = _causal_config(d, raw, where)
+    _check_weights(d, config, where)
+    _checked[key] = sig
+
+
+def _causal_config(d: Path, raw: dict, where: str):
+    """The directory's transformers config, or `ValueError` when transformers cannot build it as
+    a causal LM (an unknown model_type, a model without a causal-LM head, remote code)."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = raw.get("model_type")
+    version = f"transformers {transformers.__version__}"
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"{where}: config.json's model_type {model_type!r} is not an architecture {version} "
+                         "can build (code shipped with a model is not run)")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{where}: model_type {model_type!r} has no causal language model in {version}")
+    try:
+        return AutoConfig.from_pretrained(str(d))
+    except Exception as e:  # noqa: BLE001 - a malformed field; transformers' message names it
+        from tinker_pipelines.cli.support import one_line
+
+        raise ValueError(f"{where}: {version} cannot read config.json: {one_line(e)}") from None
+
+
+def _check_rope(raw: dict, where: str) -> None:
+    """Refuse a RoPE type transformers has no frequencies for, read from config.json itself
+    (transformers loads such a config with a log line, then fails building the rotary module)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    known = {"default", *ROPE_INIT_FUNCTIONS}
+    for section in (raw, raw.get("text_config")):
+        if not isinstance(section, dict):
+            continue
+        for field in ("rope_parameters", "rope_scaling"):
+            params = section.get(field)
+            if not isinstance(params, dict):
+                continue
+            per_layer_type = bool(params) and all(isinstance(v, dict) for v in params.values())
+            for p in params.values() if per_layer_type else [params]:
+                kind = p.get("rope_type", p.get("type", "default"))
+                if kind not in known:
+                    raise ValueError(f"{where}: config.json's {field}.rope_type {kind!r} is not a RoPE type "
+                                     f"transformers knows ({', '.join(sorted(known))})")
+
+
+def _check_weights(d: Path, config, where: str) -> None:
+    """Compare the safetensors headers with the parameters the config makes (built on the meta
+    device: no memory, no weights read)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        other = sorted(f.name for f in d.iterdir() if f.suffix in (".bin", ".pt", ".pth", ".ckpt", ".gguf"))
+        raise ValueError(f"{where} has no *.safetensors weights" + (f" (only {', '.join(other)}: save it with "
+                         "save_pretrained(safe_serialization=True))" if other else ""))
+    have: dict[str, tuple[tuple[int, ...], str]] = {}
+    for f in files:
+        with safe_open(str(f), "pt") as st:  # the header only
+            for k in st.keys():
+                have[k] = (tuple(st.get_slice(k).get_shape()), f.name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    have, renamed_only = _renamed(have, getattr(config, "model_type", None))
+    want = model.state_dict(keep_vars=True)  # the parameters themselves: a tied weight is one under two names
+    missing = []
+    for name, t in want.items():
+        if name not in have:
+            missing.append(name)
+        elif tuple(t.shape) != have[name][0]:
+            raise ValueError(f"{where}: weights do not match config.json: {have[name][1]} holds {name} as "
+                             f"{list(have[name][0])}, the config makes {list(t.shape)}")
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or ()]
+    missing = [n for n in missing if not any(o in have for o, t in want.items() if t is want[n])
+               and not any(p.search(n) for p in ignored)]
+    if missing and renamed_only:
+        raise ValueError(f"{where}: weights do not match config.json: {missing[0]} is in no *.safetensors file"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+
+
+def _renamed(have: dict, model_type: str | None) -> tuple[dict, bool]:
+    """The files' tensor names as transformers renames them at load for `model_type` (Qwen3.5's
+    `model.language_model.` prefix...); and whether renaming is all it does (a checkpoint whose
+    tensors transformers merges at load, MoE experts, cannot be compared name for name)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    transforms = get_checkpoint_conversion_mapping(model_type) or []
+    renames = [t for t in transforms if isinstance(t, WeightRenaming)]
+    out = {}
+    for k, v in have.items():
+        for t in renames:
+            k = t.rename_source_key(k)[0]
+        out[k] = v
+    return out, len(renames) == len(transforms)
+
+
+def dir_identity(path: str | Path) -> str:
+    """`sha256:<hash>` of a model directory's weights (`checkpoint.content_hash`: names and bytes
+    of its safetensors files), the identity of a base wherever its copy lies. Hashed once per
+    process while the files are unchanged (a 9B model's 18 GB take about a minute)."""
+    from tinker_pipelines.checkpoint import content_hash
+
+    d = Path(path).resolve()
+    sig = _signature(d)
+    held = _hashes.get(str(d))
+    if held is None or held[0] != sig:
+        held = _hashes[str(d)] = (sig, content_hash(d))
+    return f"sha256:{held[1]}"

@@ -177,17 +177,21 @@ def test_a_users_directory_is_named_by_its_content_hash(user_dir, tmp_path):
 
 @pytest.mark.e2e
 def test_a_users_directory_trains_and_serves_a_worker(user_dir, tmp_path, capsys):
-    """A train config naming the directory runs; `worker --model DIR` serves it under its hash."""
+    """A train config naming the directory runs (in `auto` dtype: its log's first line says which
+    this CPU gets); `worker --model DIR` serves it under its hash."""
     import yaml
 
+    from tinker_pipelines.models import dtype_note, resolve_dtype
     from tinker_pipelines.worker.client import WorkerClient, start_worker
 
-    cfg = {"model": {"name": str(user_dir), "dtype": "float32"}, "output_dir": str(tmp_path / "run"),
+    cfg = {"model": {"name": str(user_dir), "device": "cpu"}, "output_dir": str(tmp_path / "run"),
            "env": {"path": "arithmetic", "kwargs": {"max_operand": 3}},
            "training": {"iterations": 1, "groups_per_batch": 1, "group_size": 2, "max_new_tokens": 2},
            "eval": {"every": 100, "num_tasks": 1}}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    capsys.readouterr()
     assert cli.main(["train", str(tmp_path / "cfg.yaml")]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == dtype_note("auto", "cpu", resolve_dtype("auto", "cpu"))
     assert (tmp_path / "run" / "metrics.jsonl").read_text().strip()
     proc = start_worker(str(user_dir), tmp_path / "w.sock", device="cpu", dtype="float32",
                         extra=["--threads", "1"], log=tmp_path / "log")

@@ -192,8 +192,13 @@ class TinkerLoss:
 
     def check_inputs(self, loss_fn_inputs: Mapping[str, torch.Tensor], datum_index: int | None = None) -> int:
         """Check one datum's `loss_fn_inputs`: exactly the loss's keys, all 1-D of one length N,
-        `target_tokens` integer and the others floating point. Returns N."""
+        `target_tokens` integer and the others floating point. Returns N. A `cross_entropy`
+        datum's `target_tokens` and `weights` may instead both be (N, K), soft targets
+        (`soft_target_columns`)."""
         where = "" if datum_index is None else f"data[{datum_index}]."
+        if self.name == "cross_entropy" and all(k in loss_fn_inputs for k in self.spec.inputs) \
+                and loss_fn_inputs["target_tokens"].dim() == 2:
+            return _check_soft_targets(loss_fn_inputs, where)
         missing = [k for k in self.spec.inputs if k not in loss_fn_inputs]
         extra = sorted(k for k in loss_fn_inputs if k not in self.spec.inputs)
         if missing or extra:
@@ -223,6 +228,72 @@ class TinkerLoss:
             return cross_entropy(target_logprobs_N, loss_fn_inputs["weights"])
         return self.spec.fn(target_logprobs_N, loss_fn_inputs["logprobs"], loss_fn_inputs["advantages"],
                             **self.config)
+
+
+MAX_SOFT_TARGETS = 20
+"""Most columns K of a soft-target `cross_entropy` datum: each column is a datum of its own on the
+worker (`soft_target_columns`), so K bounds its cost, as `wire.MAX_TOPK_LOGPROBS` bounds the
+teacher's top-K that such targets come from (tinker-cookbook's distillation default, 20)."""
+
+
+def _check_soft_targets(loss_fn_inputs: Mapping[str, torch.Tensor], where: str) -> int:
+    """`check_inputs` for (N, K) `target_tokens` (integers) and `weights` (floats) of one shape."""
+    targets_NK, weights_NK = loss_fn_inputs["target_tokens"], loss_fn_inputs["weights"]
+    if targets_NK.is_floating_point() or targets_NK.is_complex() or targets_NK.dtype == torch.bool:
+        raise TinkerLossError(f"{where}loss_fn_inputs.target_tokens must be integers, got {targets_NK.dtype}",
+                              f"{where}loss_fn_inputs.target_tokens")
+    if not 1 <= targets_NK.shape[1] <= MAX_SOFT_TARGETS:
+        raise TinkerLossError(f"{where}loss_fn_inputs.target_tokens of shape (N, K) must have 1 <= K <= "
+                              f"{MAX_SOFT_TARGETS} soft targets, got {tuple(targets_NK.shape)}",
+                              f"{where}loss_fn_inputs.target_tokens")
+    if not weights_NK.is_floating_point() or weights_NK.shape != targets_NK.shape:
+        raise TinkerLossError(f"{where}loss_fn_inputs.weights must be a float tensor of target_tokens' shape "
+                              f"{tuple(targets_NK.shape)}, got {weights_NK.dtype} {tuple(weights_NK.shape)}",
+                              f"{where}loss_fn_inputs.weights")
+    return int(targets_NK.shape[0])
+
+
+def soft_target_columns(loss_fn_inputs: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]] | None:
+    """A `cross_entropy` datum with (N, K) `target_tokens` and `weights` (checked by
+    `check_inputs`), as the inputs of K datums over the same tokens, column k's targets and
+    weights each: the loss is a sum, so theirs (and its gradient) is the (N, K) datum's,
+    -sum(weights_NK * logprobs_NK). None for a datum of shape (N,).
+
+    >>> cols = soft_target_columns({"target_tokens": torch.tensor([[5, 6], [7, 8]]),
+    ...                             "weights": torch.tensor([[0.75, 0.25], [1.0, 0.0]])})
+    >>> [c["target_tokens"].tolist() for c in cols], [c["weights"].tolist() for c in cols]
+    ([[5, 7], [6, 8]], [[0.75, 1.0], [0.25, 0.0]])
+    """
+    targets_NK = loss_fn_inputs["target_tokens"]
+    if targets_NK.dim() != 2:
+        return None
+    weights_NK = loss_fn_inputs["weights"]
+    return [{"target_tokens": targets_NK[:, k].contiguous(), "weights": weights_NK[:, k].contiguous()}
+            for k in range(targets_NK.shape[1])]
+
+
+def stack_soft_targets(logprobs: Sequence[Sequence[float]], widths: Sequence[int | None]) -> list:
+    """Per-datum logprobs of datums expanded by `soft_target_columns` (`widths`: K for a datum
+    that became K, None for one of shape (N,)) back as one entry per datum: a list of N for an
+    (N,) datum, an (N, K) float32 array for soft targets.
+
+    >>> out = stack_soft_targets([[-1.0], [-2.0, -3.0], [-4.0, -5.0]], [None, 2])
+    >>> out[0], out[1].tolist()
+    ([-1.0], [[-2.0, -4.0], [-3.0, -5.0]])
+    """
+    import numpy as np
+
+    out, i = [], 0
+    for width in widths:
+        if width is None:
+            out.append(logprobs[i])
+            i += 1
+        else:
+            out.append(np.stack([np.asarray(lp, np.float32) for lp in logprobs[i:i + width]], axis=1))
+            i += width
+    if i != len(logprobs):
+        raise ValueError(f"{len(logprobs)} logprob rows for datums expanding to {i}")
+    return out
 
 
 def tinker_loss(name: str, config: Mapping[str, float | str] | None = None) -> TinkerLoss:

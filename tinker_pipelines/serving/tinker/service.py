@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 from tinker import types
 
-from tinker_pipelines.algorithms.tinker_losses import TinkerLoss, datum_from_tinker
+from tinker_pipelines.algorithms.tinker_losses import (TinkerLoss, datum_from_tinker, soft_target_columns,
+                                                        stack_soft_targets)
 from tinker_pipelines.serving.tinker import catalog, tenancy, wire
 from tinker_pipelines.serving.tinker.futures import Failed, Futures, Proto, Result, SeqQueue
 from tinker_pipelines.serving.tinker.runtime import LoraShape, Runtime, Trainer
@@ -426,11 +427,15 @@ class Service:
     def forward_backward(self, call: wire.ForwardBackwardCall) -> str:
         async def work(m: Model) -> Result:
             vocab = self.runtime.info.get("vocab_size")
-            datums = [_datum(d, i, call.loss, vocab, self.runtime.max_context) for i, d in enumerate(call.data)]
+            # soft targets, (N, K) cross_entropy, run as K datums over the same tokens
+            columns = [soft_target_columns(d.inputs) for d in call.data]
+            datums = [_datum(wire.TinkerDatum(d.tokens, c), i, call.loss, vocab, self.runtime.max_context)
+                      for i, (d, cs) in enumerate(zip(call.data, columns)) for c in (cs or [d.inputs])]
             logprobs, metrics = await asyncio.to_thread(self.runtime.forward_backward, m.trainer, datums,
                                                         call.loss.name, dict(call.loss.config), call.forward_only)
             if not call.forward_only:
                 m.pending_metrics.update(metrics)
+            logprobs = stack_soft_targets(logprobs, [None if cs is None else len(cs) for cs in columns])
             return Proto(wire.encode_forward_backward(logprobs, metrics))
         return self._ordered(call.model_id, call.seq_id, work)
 

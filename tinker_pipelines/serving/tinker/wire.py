@@ -19,7 +19,7 @@ import zstandard
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.types.topk_logprobs import MASK_LOGPROB
 
-from tinker_pipelines.algorithms.tinker_losses import TinkerLoss, TinkerLossError, tinker_loss
+from tinker_pipelines.algorithms.tinker_losses import MAX_SOFT_TARGETS, TinkerLoss, TinkerLossError, tinker_loss
 from tinker_pipelines.rollout.prompt_scores import PromptScoring
 
 if TYPE_CHECKING:
@@ -84,13 +84,13 @@ def decompress(body: bytes, encoding: str | None, max_bytes: int) -> bytes:
     return out
 
 
-def _tensor(msg: pb.Tensor, where: str) -> torch.Tensor:
+def _tensor(msg: pb.Tensor, where: str, max_sparse_cells: int = 0) -> torch.Tensor:
     dtype = _NUMPY.get(msg.dtype)
     if dtype is None:
         raise WireError(f"{where} has dtype {pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype}"
                         f"; this service takes float32, int64 or int32", where)
     if msg.HasField("sparse_csr"):
-        raise WireError(f"{where} is sparse; this service takes dense 1-D tensors", where)
+        return _dense_from_csr(msg, dtype, where, max_sparse_cells)
     raw = msg.dense
     if len(raw) % np.dtype(dtype).itemsize:
         raise WireError(f"{where} has {len(raw)} bytes, not a whole number of {np.dtype(dtype).name}", where)
@@ -99,6 +99,32 @@ def _tensor(msg: pb.Tensor, where: str) -> torch.Tensor:
     if math.prod(shape) != arr.size:
         raise WireError(f"{where} has shape {shape} but {arr.size} values", where)
     return torch.from_numpy(arr.reshape(shape).copy())
+
+
+def _dense_from_csr(msg: pb.Tensor, dtype: type, where: str, max_cells: int) -> torch.Tensor:
+    """A sparse CSR tensor, dense (0 in every cell it does not list). The SDK sends a 2-D torch
+    tensor that is mostly 0 this way (`Datum` -> `TensorData.from_torch_sparse`): the (N, K)
+    weights of a custom loss over soft targets. At most `max_cells` cells: its shape is declared,
+    not sent, so it is bounded before anything is allocated."""
+    shape = list(msg.shape)
+    if len(shape) != 2 or min(shape) < 0 or shape[0] * shape[1] > max_cells:
+        raise WireError(f"{where} is sparse with shape {shape}; a sparse tensor here must be 2-D with at most "
+                        f"{max_cells} cells", where)
+    csr = msg.sparse_csr
+    try:
+        values = np.frombuffer(csr.values, dtype)
+        crow = np.frombuffer(csr.crow_indices, np.int64)
+        col = np.frombuffer(csr.col_indices, np.int64)
+    except ValueError:
+        raise WireError(f"{where}'s sparse_csr buffers are not whole numbers of their dtypes", where) from None
+    rows, cols = shape
+    if not (len(crow) == rows + 1 and crow[0] == 0 and crow[-1] == len(col) == len(values)
+            and bool(np.all(np.diff(crow) >= 0)) and bool(np.all((col >= 0) & (col < cols)))):
+        raise WireError(f"{where} is not a CSR tensor of shape {shape} (crow_indices, col_indices and values "
+                        "disagree)", where)
+    dense = np.zeros((rows, cols), dtype)
+    dense[np.repeat(np.arange(rows), np.diff(crow)), col] = values
+    return torch.from_numpy(dense)
 
 
 def _tokens(datum: pb.Datum, where: str) -> list[int]:
@@ -151,7 +177,8 @@ def _decode_checked(msg: pb.ForwardBackwardRequest) -> ForwardBackwardCall:
     for i, d in enumerate(msg.data):
         where = f"data[{i}]"
         tokens = _tokens(d, where)
-        inputs = {k: _tensor(v, f"{where}.loss_fn_inputs.{k}") for k, v in d.loss_fn_inputs.items()}
+        inputs = {k: _tensor(v, f"{where}.loss_fn_inputs.{k}", len(tokens) * MAX_SOFT_TARGETS)
+                  for k, v in d.loss_fn_inputs.items()}
         try:
             n = loss.check_inputs(inputs, i)
         except TinkerLossError as e:
@@ -168,15 +195,27 @@ def _batched(arrays: list[np.ndarray], dtype: int) -> pb.BatchedTensor:
     return pb.BatchedTensor(data=b"".join(a.tobytes() for a in arrays), offsets=offsets.tobytes(), dtype=dtype)
 
 
-def encode_forward_backward(logprobs: list[list[float]], metrics: dict[str, float]) -> bytes:
-    """`ForwardBackwardOutput` as protobuf: per datum its target tokens' logprobs (float32), and
-    the metrics (`name:reduction` keys, as the SDK's chunk merging splits them)."""
+def encode_forward_backward(logprobs: list, metrics: dict[str, float]) -> bytes:
+    """`ForwardBackwardOutput` as protobuf: per datum its target tokens' logprobs (float32), N of
+    them, or (N, K) for soft targets (`tinker_losses.stack_soft_targets`), and the metrics
+    (`name:reduction` keys, as the SDK's chunk merging splits them). Consecutive datums of one
+    trailing shape are one record, as the SDK reads ragged outputs (its `trailing_shape`)."""
     bad = [k for k in metrics if k.count(":") != 1]
     if bad:
         raise ValueError(f"metric keys must be 'name:reduction' (one ':'): {bad}")
     out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics={k: float(v) for k, v in metrics.items()})
-    record = out.loss_fn_outputs.add(num_datums=len(logprobs))
-    record.fields["logprobs"].CopyFrom(_batched([np.asarray(lp, np.float32) for lp in logprobs], pb.DTYPE_FLOAT32))
+    arrays = [np.asarray(lp, np.float32) for lp in logprobs]
+    start = 0
+    while start < len(arrays):
+        end = start + 1
+        while end < len(arrays) and arrays[end].shape[1:] == arrays[start].shape[1:]:
+            end += 1
+        record = out.loss_fn_outputs.add(num_datums=end - start)
+        record.fields["logprobs"].CopyFrom(_batched(arrays[start:end], pb.DTYPE_FLOAT32))
+        record.fields["logprobs"].trailing_shape.extend(arrays[start].shape[1:])
+        start = end
+    if not arrays:
+        out.loss_fn_outputs.add(num_datums=0).fields["logprobs"].CopyFrom(_batched([], pb.DTYPE_FLOAT32))
     return out.SerializeToString()
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
 from tinker_pipelines.models import stop_token_ids
-from tinker_pipelines.rollout.lean_llama import LeanLlamaDecoder
+from tinker_pipelines.rollout.lean_decoder import LeanDecoder
 from tinker_pipelines.rollout.sampler import Sampler
 
 LENGTHS = (3, 11, 7, 20, 1, 14)
@@ -56,7 +56,7 @@ def test_greedy_matches_hf_generate(tiny, lean):
     model, tok = tiny
     prompts = _prompts(len(tok))
     sampler = Sampler(model, tok.pad_token_id, [], lean=lean)
-    assert LeanLlamaDecoder.supports(model)
+    assert LeanDecoder.supports(model)
     ours = sampler.sample(prompts, 24, temperature=0.0)
     assert [list(s.tokens) for s in ours] == _hf_greedy(model, prompts, tok.pad_token_id, 24)
     assert all(s.stop_reason == "length" for s in ours)
@@ -79,8 +79,8 @@ def test_peft_lora_model(tiny, use_dora):
     prompts = _prompts(len(tok))
     base_greedy = Sampler(model, tok.pad_token_id, []).sample(prompts, 12, 0.0)
     peft_model = _lora(model, use_dora=use_dora)
-    assert LeanLlamaDecoder.supports(peft_model)
-    assert (LeanLlamaDecoder(peft_model).fused is None) == use_dora
+    assert LeanDecoder.supports(peft_model)
+    assert (LeanDecoder(peft_model).fused is None) == use_dora
     sampler = Sampler(peft_model, tok.pad_token_id, [])
     greedy = sampler.sample(prompts, 12, 0.0)
     assert [list(s.tokens) for s in greedy] == _hf_greedy(peft_model, prompts, tok.pad_token_id, 12)
@@ -156,8 +156,8 @@ def test_multi_turn_prompt_reuse_matches_fresh_prefill(tiny, monkeypatch):
     from tinker_pipelines.rollout.episodes import RolloutConfig, run_episodes
 
     reused = []
-    original = LeanLlamaDecoder.prefill_reusing
-    monkeypatch.setattr(LeanLlamaDecoder, "prefill_reusing",
+    original = LeanDecoder.prefill_reusing
+    monkeypatch.setattr(LeanDecoder, "prefill_reusing",
                         lambda self, *a, **k: reused.append(1) or original(self, *a, **k))
     model, tok = tiny
     cfg = RolloutConfig(max_new_tokens=8, temperature=1.0, max_turns=4)
@@ -251,8 +251,8 @@ def test_common_prompt_prefix_is_prefilled_once(tiny, monkeypatch):
     prompts = [system + p for p in _prompts(len(tok))]
     assert prefix_module.shared_prefix_len([tuple(p) for p in prompts]) == 24
     seen = []
-    real_prefill = LeanLlamaDecoder.prefill
-    monkeypatch.setattr(LeanLlamaDecoder, "prefill",
+    real_prefill = LeanDecoder.prefill
+    monkeypatch.setattr(LeanDecoder, "prefill",
                         lambda self, ids, *a: seen.append(tuple(ids.shape)) or real_prefill(self, ids, *a))
     shared = Sampler(model, tok.pad_token_id, [], reuse_prompts=False).sample(prompts, 12, temperature=0.0)
     assert seen == [(1, 24)]  # only the prefix runs through the model's own forward

@@ -2,11 +2,11 @@
 
 All rows decode together. Where time goes on CPU, and what this module does about it:
 
-- Llama-style models (also with a PEFT LoRA adapter) decode through `LeanLlamaDecoder`: a
-  static KV cache allocated once per call, q|k|v and gate|up fused into one matmul each (LoRA
-  merged into those copies), no per-step masks, cache concatenation or output objects. Greedy
-  outputs equal `model.generate`'s token for token; other models use their own forward
-  (`hf_decoder`).
+- The Llama-shaped families (`architectures`: Llama, Qwen2/2.5, Qwen3, Mistral; also with a
+  PEFT LoRA adapter) decode through `LeanDecoder`: a static KV cache allocated once per call,
+  q|k|v and gate|up fused into one matmul each (LoRA merged into those copies), no per-step
+  masks, cache concatenation or output objects. Greedy outputs equal `model.generate`'s token
+  for token; other models use their own forward (`hf_decoder`).
 - Sampling (`draw.sample_tokens`, re-exported here) draws one uniform per row and inverts the
   CDF (cumsum + searchsorted), ~10x cheaper on CPU than `torch.multinomial` over a large vocabulary.
 - Finished rows are dropped from the batch (and the cache) once a quarter of the batch has
@@ -44,7 +44,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from tinker_pipelines.rollout.decode_rows import DecodeRows, UniformSource, check_interval, left_padded
 from tinker_pipelines.rollout.draw import sample_tokens  # noqa: F401 (re-exported)
 from tinker_pipelines.rollout.hf_decoder import _HFDecoder
-from tinker_pipelines.rollout.lean_llama import LeanLlamaDecoder, PromptStore, unwrap_causal_lm, weights_fingerprint
+from tinker_pipelines.rollout.lean_decoder import LeanDecoder, PromptStore, unwrap_causal_lm, weights_fingerprint
 from tinker_pipelines.rollout.samples import BASE, Sample, SampleRequest, completion_text  # noqa: F401 (re-exported)
 from tinker_pipelines.rollout.shared_prefix import prefill_shared_prefix
 from tinker_pipelines.rollout.truncation import check_params
@@ -60,7 +60,7 @@ class ContextOverflowError(ValueError):
 class Sampler:
     """Generates completions for a batch of token prompts with one model.
 
-    Llama-style models (also inside a PEFT LoRA wrapper) decode through `LeanLlamaDecoder`: a
+    The Llama-shaped families (also inside a PEFT LoRA wrapper) decode through `LeanDecoder`: a
     static KV cache and a lean per-token step that skips transformers' per-step overhead; other
     models go through their own forward with a `DynamicCache`. Both give the same tokens.
 
@@ -82,9 +82,9 @@ class Sampler:
         self.reuse_prompts = reuse_prompts
         """Keep the prompts' keys/values of the last call and reuse them for prompts that extend
         those (the next turn of an episode) while the weights are unchanged (lean path only)."""
-        self._lean: tuple[tuple, LeanLlamaDecoder] | None = None
+        self._lean: tuple[tuple, LeanDecoder] | None = None
         self._store: PromptStore | None = None
-        self._mixed: tuple[tuple, LeanLlamaDecoder | None] | None = None
+        self._mixed: tuple[tuple, LeanDecoder | None] | None = None
         self.counts = {"mixed_batches": 0, "mixed_batch_errors": 0}
         """Batches of several requests `sample_each` decoded together, and those that failed and
         were rerun one request at a time (each logged with its cause)."""
@@ -100,13 +100,13 @@ class Sampler:
         version counters, e.g. through `param.data`, or to free memory)."""
         self._lean = self._store = self._mixed = None
 
-    def _decoder(self) -> tuple[LeanLlamaDecoder | _HFDecoder, tuple | None]:
+    def _decoder(self) -> tuple[LeanDecoder | _HFDecoder, tuple | None]:
         """The decoder and the weights' fingerprint (None on the HF path). The lean decoder (its
         fused weights) is kept across calls until a parameter or adapter changes."""
-        if self.lean and LeanLlamaDecoder.supports(self.model):
+        if self.lean and LeanDecoder.supports(self.model):
             fingerprint = weights_fingerprint(self.model)
             if self._lean is None or self._lean[0] != fingerprint:
-                self._lean, self._store = (fingerprint, LeanLlamaDecoder(self.model)), None
+                self._lean, self._store = (fingerprint, LeanDecoder(self.model)), None
             return self._lean[1], fingerprint
         self._lean = self._store = None
         return _HFDecoder(self.model), None
@@ -124,9 +124,9 @@ class Sampler:
                                                    stop_token_ids=tuple(stop_token_ids))])[0]
 
     def supports_mixed_adapters(self) -> bool:
-        """Whether rows of different LoRA adapters can decode in one batch (lean Llama path,
+        """Whether rows of different LoRA adapters can decode in one batch (lean decoder,
         vanilla LoRA adapters); otherwise `sample_requests` runs one adapter at a time."""
-        return (self.lean and LeanLlamaDecoder.supports(self.model) and hasattr(self.model, "peft_config")
+        return (self.lean and LeanDecoder.supports(self.model) and hasattr(self.model, "peft_config")
                 and self._mixed_decoder() is not None)
 
     @torch.inference_mode()
@@ -138,7 +138,7 @@ class Sampler:
         prompt and step while any of its rows is live (up to the next check for finished rows,
         `check_every`), exactly as if it were sampled alone. When
         requests name LoRA adapters, all rows go through one base pass per step plus each row's
-        own adapter delta (`LeanLlamaDecoder` with per-row adapters)."""
+        own adapter delta (`LeanDecoder` with per-row adapters)."""
         for r in requests:
             self._check(r)
         live = [i for i, r in enumerate(requests) if r.prompts]
@@ -150,7 +150,7 @@ class Sampler:
             active = getattr(self.model, "active_adapter", None)
             requests = [r if r.adapter is not None else dataclasses.replace(r, adapter=active) for r in requests]
             named = [requests[i].adapter for i in live]
-            decoder = self._mixed_decoder() if self.lean and LeanLlamaDecoder.supports(self.model) else None
+            decoder = self._mixed_decoder() if self.lean and LeanDecoder.supports(self.model) else None
             order = sorted(live, key=lambda i: named.index(requests[i].adapter))  # rows grouped by adapter
             mixed, alone = order, []
             try:
@@ -239,12 +239,12 @@ class Sampler:
                 f"model context of {self.max_context} tokens"
             )
 
-    def _mixed_decoder(self) -> LeanLlamaDecoder | None:
+    def _mixed_decoder(self) -> LeanDecoder | None:
         """A decoder over the base weights alone (adapter deltas are added per row), kept while
         the base weights are unchanged; None when an adapter cannot run unmerged this way."""
         fingerprint = weights_fingerprint(self.model, base_only=True)
         if self._mixed is None or self._mixed[0] != fingerprint:
-            decoder = LeanLlamaDecoder(self.model, base_only=True)
+            decoder = LeanDecoder(self.model, base_only=True)
             self._mixed = (fingerprint, decoder if decoder.fused is not None else None)
         return self._mixed[1]
 

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from tinker_pipelines.rollout.lean_llama import LeanLlamaDecoder, PromptStore
+from tinker_pipelines.rollout.lean_decoder import LeanDecoder, PromptStore
 
 
 SHARED_PREFIX_MIN = 16
@@ -36,7 +36,7 @@ def shared_prefix_len(prompts: list[tuple[int, ...]]) -> int:
     return n if n >= SHARED_PREFIX_MIN else 0
 
 
-def prefill_shared_prefix(decoder: LeanLlamaDecoder, prompts: list[tuple[int, ...]], row_adapter: list[int],
+def prefill_shared_prefix(decoder: LeanDecoder, prompts: list[tuple[int, ...]], row_adapter: list[int],
                           fingerprint: tuple | None) -> tuple[PromptStore | None, list]:
     """Keys and values of the prompts' common prefix (a system prompt, a task's instructions),
     prefilled once per adapter, and each prompt's hit in them; (None, [None, ...]) when

@@ -11,6 +11,9 @@ tokens once per run instead of once per datum.
 
 The prefix of a run always ends before the first weighted target position of each member, so
 every position that carries loss (multi-turn episodes included) is computed in the continuation.
+It runs for every family of `rollout.architectures` (Llama, Qwen2/2.5, Qwen3, Mistral): a layer
+with a sliding window gets the window in its continuation mask (`_additive_mask`), as
+transformers' own sliding mask bounds the plain forward.
 A caller that needs every position's logprob (Tinker's `forward_backward` returns them) asks for
 `every_position`: the prefix's positions then come from the prefix pass's logits, without
 gradient (they carry no loss), once per run instead of once per row with gradient.
@@ -23,11 +26,12 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from tinker_pipelines.rollout.architectures import FAMILIES, family_of, rope_problem
 from tinker_pipelines.rollout.truncation import CHUNK_ELEMENTS, target_logprobs
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 """Architectures whose forward is verified to take a grad-carrying `DynamicCache`, explicit
-position ids and a 4D additive mask (tests/test_prefix_sharing.py)."""
+position ids and a 4D additive mask (tests/test_prefix_sharing.py, tests/test_architectures.py)."""
 MIN_SHARED_TOKENS = 4
 """A run must share at least this many tokens to be worth a prefix row."""
 MAX_COST_SHARE = 0.8
@@ -56,10 +60,22 @@ class PrefixPlan:
 
 def supports_prefix_sharing(model: torch.nn.Module) -> bool:
     """Whether the shared forward is known to equal the plain one for this model."""
+    return prefix_sharing_problem(model) is None
+
+
+def prefix_sharing_problem(model: torch.nn.Module) -> str | None:
+    """Why the shared forward may not equal the plain one for this model (one line), or None."""
     config = getattr(model, "config", None)
-    return (config is not None and getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES
-            and getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
-            and getattr(config, "sliding_window", None) is None)
+    family = family_of(config)
+    if family is None:
+        return f"model_type {getattr(config, 'model_type', None)!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager"):
+        return f"attention implementation {impl!r} is not 'sdpa' or 'eager'"
+    kinds = set(family.layer_kinds(config))
+    if kinds != {"attention"}:
+        return f"layer kinds {sorted(kinds)}: only attention layers take a shared prefix's keys and values"
+    return rope_problem(config)  # a prefix pass and a longer continuation must see one rotary table
 
 
 def plan_prefix_sharing(inputs_BT: torch.Tensor, mask_BT: torch.Tensor, weights_BT: torch.Tensor,
@@ -105,16 +121,34 @@ def plan_prefix_sharing(inputs_BT: torch.Tensor, mask_BT: torch.Tensor, weights_
     return plan
 
 
-def _additive_mask(plan: PrefixPlan, Lp: int, Lc: int, dtype: torch.dtype) -> torch.Tensor:
+def _additive_mask(plan: PrefixPlan, Lp: int, Lc: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
     """[B, 1, Lc, Lp + Lc]: a continuation token sees its run's prefix (not the prefix rows'
-    padding) and its own earlier continuation tokens; continuation padding only follows valid tokens."""
+    padding) and its own earlier continuation tokens; continuation padding only follows valid
+    tokens. With a sliding `window`, a token at position p sees positions p - window + 1 .. p, as
+    transformers' sliding mask lets it in the plain (right-padded) forward."""
     device = plan.prefix_len_P.device
-    prefix_ok_BK = torch.arange(Lp, device=device)[None, :] < plan.prefix_len_B[:, None]
-    causal_CC = torch.ones(Lc, Lc, dtype=torch.bool, device=device).tril()
-    allowed_BCK = torch.cat([prefix_ok_BK[:, None, :].expand(-1, Lc, -1),
-                             causal_CC[None].expand(len(plan.run_B), -1, -1)], dim=2)
+    k_K, j_C = torch.arange(Lp, device=device), torch.arange(Lc, device=device)
+    prefix_ok_BCK = (k_K[None, :] < plan.prefix_len_B[:, None])[:, None, :].expand(-1, Lc, -1)
+    causal_CC = j_C[None, :] <= j_C[:, None]
+    if window is not None:
+        pos_BC = plan.prefix_len_B.to(device)[:, None] + j_C[None, :]
+        prefix_ok_BCK = prefix_ok_BCK & (k_K[None, None, :] > pos_BC[:, :, None] - window)
+        causal_CC = causal_CC & (j_C[None, :] > j_C[:, None] - window)
+    allowed_BCK = torch.cat([prefix_ok_BCK, causal_CC[None].expand(len(plan.run_B), -1, -1)], dim=2)
     mask = torch.zeros(allowed_BCK.shape, dtype=dtype, device=device)
     return mask.masked_fill(~allowed_BCK, torch.finfo(dtype).min)[:, None]
+
+
+def _continuation_mask(model: torch.nn.Module, plan: PrefixPlan, Lp: int, Lc: int, dtype: torch.dtype,
+                       device: torch.device):
+    """The continuation pass's mask: one tensor when every layer sees the same keys, else one per
+    layer type (transformers' Qwen2/Qwen3 take that mapping; Mistral's window is every layer's)."""
+    config = model.config
+    windows = family_of(config).window_of(config)
+    masks = {w: _additive_mask(plan, Lp, Lc, dtype, w).to(device) for w in set(windows)}
+    if len(masks) == 1:
+        return next(iter(masks.values()))
+    return {kind: masks[w] for kind, w in zip(config.layer_types, windows)}
 
 
 def shared_prefix_forward(model: torch.nn.Module, plan: PrefixPlan, inputs_BT: torch.Tensor,
@@ -138,13 +172,13 @@ def shared_prefix_forward(model: torch.nn.Module, plan: PrefixPlan, inputs_BT: t
     first_B = torch.zeros(P, dtype=torch.long, device=device).scatter_reduce(
         0, run_B, torch.arange(B, device=device), "amin", include_self=False)
     prefix_PL = inputs_BT[first_B, :Lp]
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache()  # no config: a sliding layer's cache would keep only its window of the prefix
     out = model(input_ids=prefix_PL, cache=cache, use_cache=True, logits_to_keep=Lp if every_position else 1)
     prefix_BT = _prefix_logprobs(out.logits.detach(), plan, targets_BT, temperature, truncation,
                                  support_BT) if every_position else None
     del out  # its logits: the output layer's graph over the prefix goes with them
     expanded = DynamicCache(ddp_cache_data=[(layer.keys.index_select(0, run_B), layer.values.index_select(0, run_B))
-                                            for layer in cache.layers], config=model.config)
+                                            for layer in cache.layers])
 
     # Continuation pass: row i holds positions plen_i .. len_i - 1; padding is routed to spare columns.
     j_C = torch.arange(Lc, device=device)
@@ -157,7 +191,7 @@ def shared_prefix_forward(model: torch.nn.Module, plan: PrefixPlan, inputs_BT: t
     if weighted_BC.any() and not every_position:
         start = int(weighted_BC.float().argmax(dim=1)[weighted_BC.any(dim=1)].min())
     dtype = model.get_input_embeddings().weight.dtype
-    out = model(input_ids=cont_BC, attention_mask=_additive_mask(plan, Lp, Lc, dtype).to(device),
+    out = model(input_ids=cont_BC, attention_mask=_continuation_mask(model, plan, Lp, Lc, dtype, device),
                 position_ids=pos_BC, cache=expanded, use_cache=True, logits_to_keep=Lc - start,
                 output_hidden_states=value_head is not None)
     support_BK = support_BT.gather(1, gather_BC)[:, start:] if support_BT is not None else None

@@ -5,7 +5,7 @@ LoRA layer adds each experiment's low-rank delta to that experiment's rows only.
 parameters are disjoint and the base is frozen, so one backward of the sum of the experiments'
 losses, each normalised by its own batch, gives every adapter exactly its own gradient; the
 clip and the Adam step stay per experiment (`Learner.optim_step`). Sampling does the same
-inside the lean decoder (`LeanLlamaDecoder.set_adapters`).
+inside the lean decoder (`LeanDecoder.set_adapters`).
 
 PEFT's own mixed batches (`adapter_names=`) are inference-only and gather each adapter's rows;
 here rows of one adapter are contiguous slices, and each LoRA layer adds every slice's delta

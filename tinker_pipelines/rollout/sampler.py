@@ -43,7 +43,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tinker_pipelines.rollout.decode_rows import DecodeRows, UniformSource, check_interval, left_padded
 from tinker_pipelines.rollout.draw import sample_tokens  # noqa: F401 (re-exported)
-from tinker_pipelines.rollout.hf_decoder import _HFDecoder
+from tinker_pipelines.rollout.hf_decoder import _HFDecoder, warn_fallback
 from tinker_pipelines.rollout.lean_decoder import LeanDecoder, PromptStore, unwrap_causal_lm, weights_fingerprint
 from tinker_pipelines.rollout.samples import BASE, Sample, SampleRequest, completion_text  # noqa: F401 (re-exported)
 from tinker_pipelines.rollout.shared_prefix import prefill_shared_prefix
@@ -62,7 +62,8 @@ class Sampler:
 
     The Llama-shaped families (also inside a PEFT LoRA wrapper) decode through `LeanDecoder`: a
     static KV cache and a lean per-token step that skips transformers' per-step overhead; other
-    models go through their own forward with a `DynamicCache`. Both give the same tokens.
+    models go through their own forward with the cache their `generate` builds (`hf_decoder`),
+    with one warning per model naming why and `decode_path` saying so. Both give the same tokens.
 
     Memory: between calls the lean path keeps its fused weight copies (q|k|v and gate|up: about
     two thirds of the layer weights) and the last call's prompt keys/values (`reuse_prompts`).
@@ -94,6 +95,9 @@ class Sampler:
         generator draws until the check after its last row finished."""
         self.device_uniforms: bool | None = None
         """Draw the uniforms on the model's device (None: on CUDA; `UniformSource`)."""
+        self.decode_path: str | None = None
+        """Which decoder the last call ran: "lean", or "hf: <why the lean decoder did not take the
+        model>" (the model's own forward, one adapter at a time); None before the first call."""
 
     def invalidate(self) -> None:
         """Drop the fused weights and stored prompt keys/values (weights changed behind torch's
@@ -109,7 +113,11 @@ class Sampler:
                 self._lean, self._store = (fingerprint, LeanDecoder(self.model)), None
             return self._lean[1], fingerprint
         self._lean = self._store = None
-        return _HFDecoder(self.model), None
+        if not self.lean:
+            return _HFDecoder(self.model, "Sampler(lean=False)"), None
+        reason = LeanDecoder.why_not(self.model) or "the lean decoder refused the model"
+        warn_fallback(self.model, reason)
+        return _HFDecoder(self.model, reason), None
 
     def sample(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
                generator: torch.Generator | None = None, *, top_k: int = 0, top_p: float = 1.0,
@@ -254,6 +262,7 @@ class Sampler:
         (`DecodeRows` holds the per-row state; Python looks at it every `check_every` steps)."""
         device = next(self.model.parameters()).device
         M = max(r.max_new_tokens for r in requests)
+        self.decode_path = f"hf: {decoder.reason}" if isinstance(decoder, _HFDecoder) else "lean"
         logits_BV = self._prefill(requests, decoder, fingerprint, mixed, M, device)
         state = DecodeRows(requests, M, logits_BV.shape[-1], self.stop_token_ids, device)
         draw = UniformSource(requests, device, self.device_uniforms)

@@ -490,7 +490,7 @@ class Engine:
         return {"adapters": sorted(self.hosted), "parked": sorted(n for n, h in self.hosted.items() if h.parked),
                 "claims": self.claims, "shared_passes": self.shared_passes,
                 "shared_pass_errors": self.shared_pass_errors, **self.sampler.counts,
-                "base": self.base, "device": str(self.device),
+                "decode_path": self.sampler.decode_path, "base": self.base, "device": str(self.device),
                 "peak_rss_mb": usage.ru_maxrss / 1024, "rss_mb": resident_mb()[0]}
 
 

@@ -148,9 +148,8 @@ def _causal_config(d: Path, raw: dict, where: str):
     try:
         return AutoConfig.from_pretrained(str(d))
     except Exception as e:  # noqa: BLE001 - a malformed field; transformers' message names it
-        from tinker_pipelines.cli.support import one_line
-
-        raise ValueError(f"{where}: {version} cannot read config.json: {one_line(e)}") from None
+        message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        raise ValueError(f"{where}: {version} cannot read config.json: {message}") from None
 
 
 def _check_rope(raw: dict, where: str) -> None:

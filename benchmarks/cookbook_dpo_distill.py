@@ -23,9 +23,10 @@ environment (`cookbook_runs.client_env`). The data is local JSONL written here.
   (minus `sdft/mean_advantage`) is the sampled estimate of KL(student || teacher) per token, the
   KL this reports.
 
-  Why `topk=0`: with `topk > 0` (SDFT's default) and in `train_off_policy`, the teacher's top-K
-  (`sample(topk_prompt_logprobs=K)`) become `cross_entropy` datums whose `target_tokens` and
-  `weights` are (N, K); this service takes (N,) only (a 400 naming `loss_fn_inputs.target_tokens`).
+  `topk=K` (1..20) runs SDFT's `reverse=True` instead: the teacher's top-K
+  (`sample(topk_prompt_logprobs=K)`) as (N, K) soft targets of a custom loss, and the KL is the
+  trainer's own `sdft/reverse_kl_mean` (exact over that top-K). It costs K times the training
+  work here (each column is a datum on the worker), so the default is `topk=0`.
 
 Each part returns `{"completed": bool, ...metrics}`; `run_dpo` and `run_distill` take a running
 service's URL, so a longer benchmark can import them. Last line: one JSON object.
@@ -48,6 +49,7 @@ DPO_ACCURACY = "accuracy"
 DPO_MARGIN = "margin"
 SDFT_TEACHER_LP = "sdft/mean_teacher_lp"
 SDFT_STUDENT_LP = "sdft/mean_student_lp"
+SDFT_REVERSE_KL = "sdft/reverse_kl_mean"
 WARM_REPLY = "Let me count on my fingers."
 """What the distillation's student is first trained to answer, whatever the sum."""
 
@@ -132,11 +134,14 @@ DPO_PRESETS = {
 sum on pairs it has not seen). tiny has random weights, so nothing it learns about sums carries
 to unseen pairs: 4 epochs over one batch of 16, which it learns to rank."""
 DISTILL_PRESETS = {
-    "smollm2": {"steps": 8, "learning_rate": 2e-3, "warm_learning_rate": 1e-3, "k": 3},
-    "tiny": {"steps": 6, "learning_rate": 1e-2, "warm_learning_rate": 1e-2, "k": 2},
+    "smollm2": {"steps": 8, "learning_rate": 2e-3, "warm_learning_rate": 1e-3, "k": 3, "topk": 0},
+    "tiny": {"steps": 6, "learning_rate": 1e-2, "warm_learning_rate": 1e-2, "k": 2, "topk": 0},
 }
 """run_distill's defaults by model: tiny's near-uniform distributions move only at larger rates
-(its warm start at 1e-3 barely leaves the base)."""
+(its warm start at 1e-3 barely leaves the base). `topk=0`: SDFT's top-K modes make each datum K
+datums on the worker (`tinker_losses.soft_target_columns`), K times the training work: at topk=5
+SmolLM2's SDFT steps took 180-200 s on a machine loaded to ~15, against 30-50 s for topk=0 at a
+load of 4-5 (their reverse_kl_mean fell 1.66, 0.97, 0.73 in 3 steps)."""
 
 
 def model_kind(model_dir: str | Path) -> str:
@@ -189,9 +194,13 @@ def run_dpo(base_url: str, model_dir: str | Path, work_dir: str | Path, *, pairs
             "log_path": str(log)}
 
 
-def kl_curve(rows: list[dict]) -> list[tuple[int, float]]:
-    """SDFT's sampled KL(student || teacher) per token by step: `sdft/mean_student_lp` minus
-    `sdft/mean_teacher_lp` (steps whose batch had no completion tokens log neither)."""
+def kl_curve(rows: list[dict], topk: int = 0) -> list[tuple[int, float]]:
+    """SDFT's KL(student || teacher) per token by step. topk > 0 (`reverse=True`): the trainer's
+    own `sdft/reverse_kl_mean`, exact over the teacher's top-K (both renormalized there). topk=0:
+    the sampled estimate, `sdft/mean_student_lp` minus `sdft/mean_teacher_lp` (steps whose batch
+    had no completion tokens log neither)."""
+    if topk > 0:
+        return cr.metric_curve(rows, SDFT_REVERSE_KL)
     teacher = dict(cr.metric_curve(rows, SDFT_TEACHER_LP))
     return [(step, lp - teacher[step]) for step, lp in cr.metric_curve(rows, SDFT_STUDENT_LP) if step in teacher]
 
@@ -219,16 +228,20 @@ def run_distill(base_url: str, model_dir: str | Path, work_dir: str | Path, *, s
                 groups_per_batch: int = 8, group_size: int = 2, max_tokens: int = 12,
                 learning_rate: float | None = None, lora_rank: int = 8, warm_conversations: int = 32,
                 warm_batch_size: int = 8, warm_epochs: int = 2, warm_learning_rate: float | None = None,
-                seed: int = 0, k: int | None = None, api_key: str = cr.API_KEY, timeout_s: float = 1800,
-                python: str | Path = cr.COOKBOOK_PYTHON) -> dict:
-    """The student's warm start (`warm_start`), then `sdft.main` (`topk=0`) from it for `steps`
-    steps of `groups_per_batch` questions x `group_size` samples; what is not given comes from
-    `DISTILL_PRESETS`. `kl_first`/`_last`: mean sampled KL(student || teacher) (`kl_curve`) of
-    the first and last `k` steps."""
+                seed: int = 0, k: int | None = None, topk: int | None = None, api_key: str = cr.API_KEY,
+                timeout_s: float = 1800, python: str | Path = cr.COOKBOOK_PYTHON) -> dict:
+    """The student's warm start (`warm_start`), then `sdft.main` from it for `steps` steps of
+    `groups_per_batch` questions x `group_size` samples: with `topk` > 0, `reverse=True` (the
+    exact reverse KL over the teacher's top-K, a custom loss over (N, K) soft targets), with
+    `topk=0` the per-token importance-sampling estimate. What is not given comes from
+    `DISTILL_PRESETS`. `kl_first`/`_last`: mean KL(student || teacher) (`kl_curve`) of the first
+    and last `k` steps; `kl_metric` names it."""
     s = _settings(DISTILL_PRESETS, model_dir, dict(steps=steps, learning_rate=learning_rate,
-                                                    warm_learning_rate=warm_learning_rate, k=k))
-    steps, learning_rate, warm_learning_rate, k = (s[x] for x in ("steps", "learning_rate", "warm_learning_rate",
-                                                                  "k"))
+                                                    warm_learning_rate=warm_learning_rate, k=k, topk=topk))
+    steps, learning_rate, warm_learning_rate, k, topk = (s[x] for x in ("steps", "learning_rate",
+                                                                        "warm_learning_rate", "k", "topk"))
+    if not 0 <= topk <= 20:
+        raise ValueError(f"topk must be 0 (sampled KL) or 1..20 (the teacher's top-K), got {topk}")
     _check_positive(steps=steps, groups_per_batch=groups_per_batch, group_size=group_size, max_tokens=max_tokens,
                     learning_rate=learning_rate, lora_rank=lora_rank, warm_conversations=warm_conversations,
                     warm_batch_size=warm_batch_size, warm_epochs=warm_epochs,
@@ -239,6 +252,7 @@ def run_distill(base_url: str, model_dir: str | Path, work_dir: str | Path, *, s
                              epochs=warm_epochs, learning_rate=warm_learning_rate, lora_rank=lora_rank, seed=seed,
                              api_key=api_key, timeout_s=timeout_s, python=python)
     result = {"completed": False, "steps": 0, "kl_first": None, "kl_last": None, "kl_curve": [],
+              "kl_metric": SDFT_REVERSE_KL if topk else f"{SDFT_STUDENT_LP} - {SDFT_TEACHER_LP}",
               "student_start": start, **warm}
     if start is None:
         return {**result, "seconds": round(time.perf_counter() - t0, 1)}
@@ -247,11 +261,11 @@ def run_distill(base_url: str, model_dir: str | Path, work_dir: str | Path, *, s
     settings = {"model_name": str(Path(model_dir).resolve()), "demos": str(data), "log_path": str(log),
                 "base_url": base_url, "load_checkpoint_path": start, "learning_rate": learning_rate,
                 "groups_per_batch": groups_per_batch, "group_size": group_size, "max_tokens": max_tokens,
-                "topk": 0, "loss_fn": "importance_sampling", "max_steps": steps}
+                "topk": topk, "reverse": topk > 0, "loss_fn": "importance_sampling", "max_steps": steps}
     run = cr.run_recipe(driver_argv("sdft", settings, python), cr.client_env(base_url, api_key, runs_dir=work),
                         log, work / "sdft.out", max(60.0, timeout_s - (time.perf_counter() - t0)))
     completed, error, rows = _finish(run, "the SDFT driver", steps)
-    kl = kl_curve(rows)
+    kl = kl_curve(rows, topk)
     kl_first, kl_last = _ends(kl, k)
     return {**result, "completed": completed, "error": error, "steps": len(kl), "kl_first": kl_first,
             "kl_last": kl_last, "kl_curve": kl, "sdft_seconds": round(run.seconds, 1),
@@ -286,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part", choices=("both", "dpo", "distill"), default="both")
     p.add_argument("--model-dir", help="a model directory (tinker-pipelines model-dir); default: SmolLM2, written")
     p.add_argument("--work", help="keep the run folders here (default: a temporary folder)")
+    p.add_argument("--topk", type=int, help="distillation: SDFT reverse=True over the teacher's top-K (1..20); "
+                                            "default 0, the sampled KL")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="cookbook_dpo_distill_") as tmp:
         work = Path(args.work or tmp).resolve()
@@ -296,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                 dpo = run_dpo(svc.url, mdir, work / "dpo_run")
                 _show("dpo", dpo, ("accuracy_curve", "margin_curve"))
             if args.part in ("both", "distill"):
-                distill = run_distill(svc.url, mdir, work / "distill_run")
+                distill = run_distill(svc.url, mdir, work / "distill_run", topk=args.topk)
                 _show("distill", distill, ("kl_curve",))
         print(json.dumps(_summary(dpo, distill)), flush=True)
     return 0 if all(r is None or r["completed"] for r in (dpo, distill)) else 1

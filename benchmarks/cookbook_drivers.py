@@ -17,11 +17,12 @@ trainer's `main` unmodified:
   `{"prompt", "chosen", "rejected"}` object a line, as labeled comparisons). Logs `accuracy`,
   `margin`, `dpo_loss`, `chosen_reward`, `rejected_reward` per step (`train_dpo.compute_dpo_loss`).
 - `sdft`: `distillation.sdft.main` (on-policy self-distillation: the teacher is the base model
-  shown the question *and* a golden answer; the student, a fresh LoRA, sees the question only),
-  its batches from `JsonlDemos` (ours: one `{"question", "answer"}` object a line). With `topk=0`
-  (needs no `topk_prompt_logprobs`) it logs `sdft/mean_teacher_lp` and `sdft/mean_student_lp`
-  over the student's sampled tokens: their difference `sdft/mean_advantage` is minus the
-  sampled estimate of KL(student || teacher).
+  shown the question *and* a golden answer; the student, a fresh LoRA or the checkpoint
+  `load_checkpoint_path`, sees the question only), its batches the SDFT recipe's `SDFTDataset`
+  over a local `{"question", "answer"}` JSONL (the recipe's own builders read hub datasets). With
+  `topk=0` (no `topk_prompt_logprobs`, and `importance_sampling` datums of shape (N,)) it logs
+  `sdft/mean_teacher_lp` and `sdft/mean_student_lp` over the student's sampled tokens: their
+  difference `sdft/mean_advantage` is minus the sampled estimate of KL(student || teacher).
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ class SDFTArgs:
     max_tokens: int = 16
     temperature: float = 1.0
     topk: int = 0
+    reverse: bool = False
     loss_fn: str = "importance_sampling"
     max_steps: int | None = None
     demo_template: str = SHORT_DEMO_TEMPLATE
@@ -153,6 +155,7 @@ async def run_sdft(args: SDFTArgs) -> None:
         model_name=args.model_name, recipe_name="cookbook_drivers_sdft", renderer_name=args.renderer_name,
         lora_rank=args.lora_rank, base_url=args.base_url, learning_rate=args.learning_rate,
         max_tokens=args.max_tokens, temperature=args.temperature, loss_fn=args.loss_fn, topk=args.topk,
+        reverse=args.reverse,
         eval_every=0, save_every=0, log_path=args.log_path, max_steps=args.max_steps,
         load_checkpoint_path=args.load_checkpoint_path, demo_template=args.demo_template)
     await sdft.main(config, dataset)

@@ -37,7 +37,7 @@ gpu_check_wheels = _load(WHEELS)
 
 
 def _dry_args(**over) -> argparse.Namespace:
-    return argparse.Namespace(**{"cpu_dry_run": True, "wheels": None, **over})
+    return argparse.Namespace(**{"cpu_dry_run": True, "wheels": None, "absent": [], **over})
 
 
 @pytest.mark.e2e
@@ -66,9 +66,28 @@ def test_dry_run_runs_each_part_in_its_own_process_per_simulated_gpu(tmp_path):
     assert [p["cvd"] for p in procs] == [d["cvd"] for d in report["devices"]]
     assert len({p["pid"] for p in procs}) == 2 and len({p["cvd"] for p in procs}) == 2
     assert all(p["cuda_initialized_at_start"] is False for p in procs)
+    # the modules the device image lacks are hidden from the parts, as they will be missing there
+    assert {"mlflow", "boto3", "gguf"} <= set(report["hidden_as_on_the_image"])
+    assert not {"torch", "transformers", "peft", "dagster", "deepspeed"} & set(report["hidden_as_on_the_image"])
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == report
     log = (tmp_path / "gpu_check.log").read_text()
     assert "===== full.gpu0.log" in log and "===== full.gpu1.log" in log and "===== ready_device.log" in log
+
+
+def test_the_dry_run_hides_what_the_image_lacks(tmp_path):
+    """The dry run's sitecustomize answers "not found" for the image's missing modules, as the image
+    would: find_spec is None (an optional import falls back), an import raises."""
+    (tmp_path / "sitecustomize.py").write_text(gpu_check.HIDER)
+    code = ("import importlib.util, sys; import packaging; print(importlib.util.find_spec('yaml'), "
+            "importlib.util.find_spec('packaging.version') is not None)\n"
+            "try:\n    import yaml.loader\nexcept ModuleNotFoundError as e:\n    print('missing', e.name)")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "GPU_CHECK_ABSENT": "yaml,nothing_else"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.stdout.split() == ["None", "True", "missing", "yaml"], proc.stderr
+    absent = gpu_check.absent_on_image(None)
+    assert "mlflow" in absent and "boto3" in absent
+    # what the image has, what the wheels carry, and what those need at this venv's versions stay
+    assert not {"torch", "transformers", "peft", "dagster", "deepspeed", "yaml", "httpx"} & set(absent)
 
 
 def test_without_a_gpu_only_the_dry_run_goes_on():

@@ -333,3 +333,34 @@ def test_the_tinker_cli_lists_and_deletes_this_services_checkpoints(service, ali
                          env=env, timeout=120)
     assert run.returncode == 0 and path not in run.stdout, run.stderr
     json.loads(run.stdout)
+
+
+def test_samplers_of_different_checkpoints_decode_together(service, alice):
+    """Each checkpoint's adapter has a connection of its own: the service sends one sample call per
+    connection at a time, so on one shared connection concurrent samples of several checkpoints
+    went to the worker one after another; on their own they reach it together (one mixed decode)."""
+    runtime = service.service.runtime
+    tc = alice.create_lora_training_client("tiny", rank=4).result()
+    paths = [tc.save_weights_for_sampler(f"ck{i}").result().path for i in range(4)]
+    samplers = [alice.create_sampling_client(model_path=p).result() for p in paths]
+    adapters = [service.service.samplers[s._sampling_session_id].adapter for s in samplers]
+    conns = {id(runtime.connection(a)) for a in adapters}
+    assert len(conns) == 4 and id(runtime.shared) not in conns
+    prompt, params = types.ModelInput.from_ints([3, 4, 5]), types.SamplingParams(max_tokens=8, temperature=1.0)
+
+    async def together():
+        return await asyncio.gather(*(s.sample_async(prompt, 2, params) for s in samplers))
+    assert all(len(r.sequences) == 2 for r in asyncio.run(together()))
+    alice.create_rest_client().delete_checkpoint_from_tinker_path(paths[0]).result()
+
+
+def test_unseeded_samples_of_unchanged_weights_differ_between_snapshots(alice):
+    """Each snapshot draws its own sampling generator from its source's: two snapshots of the same
+    weights do not repeat each other's unseeded samples (they did: every copy started from seed 0)."""
+    tc = alice.create_lora_training_client("tiny", rank=4).result()
+    prompt, params = types.ModelInput.from_ints([3, 4, 5]), types.SamplingParams(max_tokens=16, temperature=1.0)
+
+    def tokens(sampler):
+        return [s.tokens for s in sampler.sample(prompt, 4, params).result().sequences]
+    first, second = (tc.save_weights_and_get_sampling_client().result() for _ in range(2))
+    assert tokens(first) != tokens(second)

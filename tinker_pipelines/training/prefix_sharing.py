@@ -25,9 +25,11 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from tinker_pipelines.rollout.architectures import FAMILIES, family_of, rope_problem
 from tinker_pipelines.rollout.truncation import CHUNK_ELEMENTS, target_logprobs
+from tinker_pipelines.training.activation_checkpointing import decoder_layers
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 """Architectures whose forward is verified to take a grad-carrying `DynamicCache`, explicit
@@ -172,7 +174,11 @@ def shared_prefix_forward(model: torch.nn.Module, plan: PrefixPlan, inputs_BT: t
     first_B = torch.zeros(P, dtype=torch.long, device=device).scatter_reduce(
         0, run_B, torch.arange(B, device=device), "amin", include_self=False)
     prefix_PL = inputs_BT[first_B, :Lp]
-    cache = DynamicCache()  # no config: a sliding layer's cache would keep only its window of the prefix
+    # full layers, one per decoder layer, made up front: a config-built cache would give a sliding
+    # layer only its window of the prefix, and activation checkpointing replays a layer over the
+    # cache layer it first saw, so that layer must exist before its decoder layer runs
+    cache = DynamicCache()
+    cache.layers.extend(DynamicLayer() for _ in range(len(decoder_layers(model))))
     out = model(input_ids=prefix_PL, cache=cache, use_cache=True, logits_to_keep=Lp if every_position else 1)
     prefix_BT = _prefix_logprobs(out.logits.detach(), plan, targets_BT, temperature, truncation,
                                  support_BT) if every_position else None

@@ -107,6 +107,8 @@ class Engine:
         self.base_model = self.model
         self.base_generator = torch.Generator().manual_seed(0)
         """Uniforms of base-model sample requests that bring neither a seed nor a generator."""
+        self.sampler_seeds = torch.Generator().manual_seed(1)
+        """Seeds of the generators of adapters loaded read-only from checkpoints (one each)."""
         self.sampler = Sampler(self.model, self.pad_token_id, self.stop_token_ids, tokenizer=self.tokenizer)
 
     @property
@@ -176,7 +178,7 @@ class Engine:
         learner = record.get("learner")
         if not isinstance(learner, dict) or record.get("mode") != "lora":
             raise RequestError(f"checkpoint {path} is not a LoRA adapter's (mode {record.get('mode')!r})")
-        self.create(owner, name, learner, 0, base_name or record.get("base_model") or "")
+        self.create(owner, name, learner, _next_seed(self.sampler_seeds), base_name or record.get("base_model") or "")
         try:
             record = self.load_state(name, path, optimizer=False)
         except Exception:
@@ -198,7 +200,8 @@ class Engine:
         if name in self.hosted:
             raise RequestError(f"cannot copy adapter {src!r} to {name!r}: adapter {name!r} already exists on this "
                                "worker")
-        self.create(owner, name, asdict(h.learner.cfg), 0, h.learner.base_name, h.algorithm)
+        # its own stream, drawn from the source's: two copies of unchanged weights must not sample alike
+        self.create(owner, name, asdict(h.learner.cfg), _next_seed(h.generator), h.learner.base_name, h.algorithm)
         copy = self.hosted[name]
         try:
             _copy_weights(h.learner, copy.learner)
@@ -588,4 +591,11 @@ def _alone(j: FBJob) -> dict[str, Any]:
         return _error(e)
 
 
+def _next_seed(generator: torch.Generator) -> int:
+    """A seed for a new adapter's sampling generator, drawn from `generator` (which it advances):
+    distinct per adapter, and reproducible from the seeds the worker and its adapters started with."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator))
+
+
 __all__ = ["Engine", "EngineConfig", "Hosted", "RequestError", "Sample"]
+

@@ -127,9 +127,9 @@ class Runtime:
         self.supervisor = supervisor
         """The `supervisor.WorkerSupervisor` that replaces a dead or hung worker, or None."""
         self._lock = threading.Lock()
-        self._from_checkpoints: dict[str, str] = {}
-        """Read-only adapters `load_for_sampling` made on the shared connection: name -> checkpoint
-        directory (loaded again on a new worker)."""
+        self._from_checkpoints: dict[str, tuple[str, SharedConnection]] = {}
+        """Read-only adapters `load_for_sampling` made: name -> (checkpoint directory, the
+        connection of its own that holds it); loaded again on a new worker."""
         self.keep_snapshots = keep_snapshots
         """Ephemeral sampler adapters kept per client: a sampler made two saves ago may still be sampling."""
         self.pass_tokens = pass_tokens
@@ -192,9 +192,12 @@ class Runtime:
             old, self.shared.client = self.shared.client, shared
             todo = dict(self._from_checkpoints)
         old.close()
-        for name, path in todo.items():
+        for name, (path, conn) in todo.items():
             try:
-                shared.create_sampler(name, path)
+                client, _ = self._connect(wait=False)
+                old, conn.client = conn.client, client
+                old.close()
+                client.create_sampler(name, path)
             except WorkerError as e:
                 log.warning("checkpoint %s could not be loaded again on the new worker as %s: %s", path, name,
                             str(e).splitlines()[0])
@@ -250,30 +253,37 @@ class Runtime:
         return name
 
     def load_for_sampling(self, path: Path) -> str:
-        """A read-only adapter from the checkpoint at `path` (shaped as its record says), on the
-        shared connection."""
+        """A read-only adapter from the checkpoint at `path` (shaped as its record says), on a
+        connection of its own: the service sends one sample call per connection at a time, so
+        checkpoints sharing one would decode one after another, where on connections of their
+        own their calls reach the worker together and decode in one mixed-adapter batch."""
         name = _adapter_name("p")
-        if self.supervisor is not None:
-            self.supervisor.wait_ready(RESTART_WAIT_S)
+        conn = SharedConnection(self._connect()[0], self)
         with self._lock:  # listed first: a worker restarted meanwhile loads it too
-            self._from_checkpoints[name] = str(path)
-            shared = self.shared.client
+            self._from_checkpoints[name] = (str(path), conn)
+            client = conn.client
         try:
-            shared.create_sampler(name, str(path))
+            client.create_sampler(name, str(path))
         except BaseException:
             with self._lock:
                 self._from_checkpoints.pop(name, None)
+            conn.client.close()
             raise
         return name
 
-    def unload(self, adapter: str) -> None:
-        """Drop a read-only adapter `load_for_sampling` made (its last sampler is gone)."""
+    def connection(self, adapter: str) -> SharedConnection:
+        """The connection that samples read-only adapter `adapter` (the shared one for the base)."""
         with self._lock:
-            self._from_checkpoints.pop(adapter, None)
-        try:
-            self.shared.drop(adapter)
-        except WorkerError:
-            pass  # already gone (a restarted worker holds none of the old ones)
+            entry = self._from_checkpoints.get(adapter)
+        return self.shared if entry is None else entry[1]
+
+    def unload(self, adapter: str) -> None:
+        """Drop a read-only adapter `load_for_sampling` made (its last sampler is gone): its
+        connection closes, and the worker drops what that connection held."""
+        with self._lock:
+            entry = self._from_checkpoints.pop(adapter, None)
+        if entry is not None:
+            entry[1].client.close()
 
     def health(self, timeout_s: float = 2.0) -> str | None:
         """None when the worker answers within `timeout_s`, else why not (one line)."""
@@ -283,4 +293,9 @@ class Runtime:
         return None if reason is None else f"the worker at {self.address} does not answer: {reason}"
 
     def close(self) -> None:
+        with self._lock:
+            held = [conn for _, conn in self._from_checkpoints.values()]
+            self._from_checkpoints.clear()
+        for conn in held:
+            conn.client.close()
         self.shared.close()

@@ -769,7 +769,8 @@ class Service:
         ids = [f"{req.sampling_session_id}:{req.seq_id}:{i}" for i in range(req.num_samples)]
 
         async def work() -> Result:
-            answer = await self.batcher.sample(s.trainer.conn if s.trainer else self.runtime.shared, call)
+            conn = s.trainer.conn if s.trainer else self.runtime.connection(s.adapter)
+            answer = await self.batcher.sample(conn, call)
             return Proto(wire.encode_sample(*_sequences(answer, req)))
         return self.futures.run(work), ids
 

@@ -18,13 +18,15 @@ family, on this CPU:
   one batch give each adapter's tokens and logprobs exactly as it samples alone;
 - `fast_path`: the lean decoder, mixed-adapter batches and prompt sharing in training all take it;
 - `speed_vs_llama`: decode tokens/s at batch 16 (32-token prompts, 64 new tokens, no stop), fp32,
-  over the Llama's (goal >= 0.9); best of `--reps` calls each, the families interleaved;
+  over the Llama's (goal >= 0.9); best of `--reps` calls each, the families interleaved. By
+  default with one torch thread, timed by the thread's CPU time (`_clock`: on a shared machine
+  the wall clock measures the neighbours); `--threads 2` times the wall clock;
 - `tinker_step_vs_llama`: the seconds of a Tinker `forward_backward` (`Learner.
   tinker_forward_backward`, importance sampling, LoRA rank 8 on every linear and the output
   layer) over 4 groups of 4 samples that share a 64-token prompt, over the Llama's (goal <= 1.15).
 
-Last line: JSON {family: {those keys, tokens_per_s, step_s}, "llama": {tokens_per_s, step_s},
-"dims": {...}, "threads": n}.
+Last line: JSON {family: {those keys, tokens_per_s, step_s (by the ratios' clock), tokens_per_s_wall,
+step_s_wall}, "llama": {the same four}, "dims": {...}, "threads": n, "clock": "cpu" or "wall"}.
 """
 
 from __future__ import annotations
@@ -160,14 +162,26 @@ def mixed_and_solo(peft, n_adapters: int, max_new_tokens: int = 12):
     return sampler, mixed, alone
 
 
-def _decode_seconds(model, batch: int = 16, prompt_len: int = 32, new: int = 64) -> float:
+def _clock() -> tuple[float, float]:
+    """(wall, CPU) seconds now. With one torch thread every matmul runs on the calling thread,
+    so its CPU time is the work alone: on a machine shared with other jobs the wall clock
+    measures them too (2 cores at load 8-13 gave ratios from 0.9 to 3.1 between identical models)."""
+    return time.perf_counter(), time.thread_time()
+
+
+def _elapsed(t0: tuple[float, float]) -> tuple[float, float]:
+    wall, cpu = _clock()
+    return wall - t0[0], cpu - t0[1]
+
+
+def _decode_seconds(model, batch: int = 16, prompt_len: int = 32, new: int = 64) -> tuple[float, float]:
     from tinker_pipelines.rollout.sampler import Sampler
 
     rows = prompts(model.config.vocab_size, lengths=(prompt_len,) * batch, seed=5)
     sampler = Sampler(model, PAD, [])
-    t0 = time.perf_counter()
+    t0 = _clock()
     sampler.sample(rows, new, 1.0, torch.Generator().manual_seed(0))
-    return time.perf_counter() - t0
+    return _elapsed(t0)
 
 
 def tinker_datums(vocab: int, groups: int = 4, per_group: int = 4, prompt_len: int = 64, seed: int = 0):
@@ -199,10 +213,10 @@ def tinker_learner(model, share_prefix: bool = True, rank: int = 8, seed: int = 
     return Learner(model, cfg, PAD, adapter_name="bench", init_seed=seed)
 
 
-def _step_seconds(learner, datums, loss) -> float:
-    t0 = time.perf_counter()
+def _step_seconds(learner, datums, loss) -> tuple[float, float]:
+    t0 = _clock()
     learner.tinker_forward_backward(datums, loss)
-    elapsed = time.perf_counter() - t0
+    elapsed = _elapsed(t0)
     learner.optimizer.zero_grad(set_to_none=True)
     return elapsed
 
@@ -226,21 +240,24 @@ def _correctness(name: str, dims: Dims) -> dict:
     return out
 
 
-def _speeds(names: list[str], dims: Dims, reps: int) -> dict[str, dict]:
-    """Decode tokens/s and Tinker step seconds per family, best of `reps`, interleaved."""
+def _speeds(names: list[str], dims: Dims, reps: int, clock: int) -> dict[str, dict]:
+    """Decode tokens/s and Tinker step seconds per family, best of `reps`, interleaved (each rep
+    in another order), by wall clock and by CPU time (`_clock`); `clock` picks which the ratios use."""
     models = {n: build_model(family_config(n, dims)) for n in names}
     learners = {n: tinker_learner(build_model(family_config(n, dims))) for n in names}
     datums, loss = tinker_datums(dims.vocab)
     for n in names:  # warm-up: first-call checks of the linear forms, allocator
         _decode_seconds(models[n], new=4)
         _step_seconds(learners[n], datums, loss)
-    decode = {n: float("inf") for n in names}
-    step = {n: float("inf") for n in names}
-    for _ in range(reps):
-        for n in names:
-            decode[n] = min(decode[n], _decode_seconds(models[n]))
-            step[n] = min(step[n], _step_seconds(learners[n], datums, loss))
-    return {n: {"tokens_per_s": round(16 * 64 / decode[n], 1), "step_s": round(step[n], 4)} for n in names}
+    decode = {n: [float("inf")] * 2 for n in names}
+    step = {n: [float("inf")] * 2 for n in names}
+    for r in range(reps):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            decode[n] = [min(a, b) for a, b in zip(decode[n], _decode_seconds(models[n]))]
+            step[n] = [min(a, b) for a, b in zip(step[n], _step_seconds(learners[n], datums, loss))]
+    return {n: {"tokens_per_s": round(16 * 64 / decode[n][clock], 1), "step_s": round(step[n][clock], 4),
+                "tokens_per_s_wall": round(16 * 64 / decode[n][0], 1), "step_s_wall": round(step[n][0], 4)}
+            for n in names}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -250,14 +267,23 @@ def main(argv: list[str] | None = None) -> dict:
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default)
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--parts", default="correctness,speed", help="correctness, speed or both (comma-separated)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads; with 1 (the default) the ratios use CPU time, else the wall clock")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     dims = Dims(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Dims) if f.name != "head_dim"})
     names = [n for n in args.families.split(",") if n]
-    result: dict = {"dims": dataclasses.asdict(dims), "threads": torch.get_num_threads()}
+    result: dict = {"dims": dataclasses.asdict(dims), "threads": args.threads,
+                    "clock": "cpu" if args.threads == 1 else "wall"}
+    parts = set(args.parts.split(","))
     for n in names:
-        result[n] = _correctness(n, dims)
+        result[n] = _correctness(n, dims) if "correctness" in parts else {}
         print(n, json.dumps(result[n]), flush=True)
-    speeds = _speeds(["llama", *names], dims, args.reps)
+    if "speed" not in parts:
+        print(json.dumps(result))
+        return result
+    speeds = _speeds(["llama", *names], dims, args.reps, clock=1 if args.threads == 1 else 0)
     result["llama"] = speeds["llama"]
     for n in names:
         result[n].update(speeds[n])

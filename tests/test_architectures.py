@@ -100,6 +100,25 @@ def test_other_static_rope_scalings(extra):
     assert equal and worst <= 1e-5, worst
 
 
+@pytest.mark.parametrize("name", ["qwen3", "mistral"])
+def test_an_unmergeable_adapter_steps_through_the_modules(name):
+    """DoRA cannot be merged into the fused weights: the step runs the model's own sub-modules,
+    with the family's q/k norms and window."""
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(_model(name), LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                                   use_dora=True, lora_dropout=0.0))
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    peft.eval()
+    assert LeanDecoder.why_not(peft) is None and LeanDecoder(peft).fused is None
+    equal, worst = against_hf(peft)
+    assert equal and worst <= 1e-5, worst
+
+
 def test_what_the_decoder_cannot_run_is_refused_with_its_reason():
     dims = CASES["llama3"][0]
     dynamic = build_model(family_config("llama", dims, rope_parameters={"rope_type": "dynamic", "factor": 2.0,

@@ -271,7 +271,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads; with 1 (the default) the ratios use CPU time, else the wall clock")
     args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> dict:
     dims = Dims(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Dims) if f.name != "head_dim"})
     names = [n for n in args.families.split(",") if n]
     result: dict = {"dims": dataclasses.asdict(dims), "threads": args.threads,

@@ -8,6 +8,7 @@ window on its second layer, Qwen3's q/k norms with 32-wide heads and tied embedd
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -340,3 +341,19 @@ def test_tinker_round_trip(services, name):
             assert s.logprobs == pytest.approx(list(w.logprobs), abs=1e-5)
     finally:
         client.close("success").result()
+
+
+def test_the_benchmark_reports_every_figure(capsys):
+    """`python -m benchmarks.architectures` on a one-layer Qwen3: every figure, the flags true,
+    and the torch thread count it changes given back."""
+    from benchmarks.architectures import main
+
+    threads = torch.get_num_threads()
+
+    result = main(["--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "64",
+                   "--vocab", "128", "--families", "qwen3", "--reps", "1"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    q = result["qwen3"]
+    assert q["greedy_equal"] and q["mixed_equal_solo"] and q["fast_path"] and q["logprobs_max_diff"] <= 1e-5
+    assert q["speed_vs_llama"] > 0 and q["tinker_step_vs_llama"] > 0 and "greedy_equal_bf16" in q
+    assert torch.get_num_threads() == threads

@@ -37,7 +37,8 @@ DAGSTER_MOMENTS = ("rollout", "update", "checkpoint_write", "after_checkpoint", 
 WRITE_PAUSE_S = 0.04
 
 PLAIN = {
-    "seed": 5, "env": {"path": "arithmetic", "kwargs": {"max_operand": 3}},
+    "seed": 5, "model": {"name": "tiny", "dtype": "float32"},  # measured in fp32, whatever `auto` is on this CPU
+    "env": {"path": "arithmetic", "kwargs": {"max_operand": 3}},
     "algorithm": {"name": "grpo", "kl_coef": 0.05},
     "training": {"mode": "lora", "iterations": 4, "learning_rate": 5e-3, "groups_per_batch": 3, "group_size": 4,
                  "max_new_tokens": 4},

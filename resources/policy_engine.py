@@ -76,6 +76,8 @@ class PolicyEngine(dg.ConfigurableResource):
     """Socket of a resident worker to train LoRA experiments on ('' : $TINKER_WORKER, else in-process)."""
     start_worker: bool = False
     """Start a worker on the experiment's base when none listens at `worker` (default socket under .tinker/)."""
+    worker_lease_memory_gb: float = 0.0
+    """GB the worker it starts leases on a leased step's device for as long as it lives (0: what the step reserved)."""
 
     def worker_address(self, cfg: Config, base: Path | None) -> str | None:
         """Where this experiment's worker listens, starting one if asked; None: in-process."""
@@ -92,15 +94,22 @@ class PolicyEngine(dg.ConfigurableResource):
         if not address:
             from tinker_pipelines.worker import default_socket
             from tinker_pipelines.models import base_identity, resolve_device
+            from tinker_pipelines.scheduler.workers import worker_device_key
 
+            # keyed by the physical device (in a leased step every GPU is cuda:0): the worker of the
+            # device this step leased, never another step's
+            device = resolve_device(m.device)
             address = str(default_socket(base_identity(model, {} if base else m.kwargs, seed),
-                                         str(resolve_device(m.device))).resolve())
+                                         worker_device_key(device.type, device.index)).resolve())
         if self.start_worker and not _listening(address):  # none yet, or a dead one's stale socket
             import json
 
             from tinker_pipelines.worker.client import start_worker
 
             extra = [] if base is not None else ["--seed", str(seed), "--model-kwargs", json.dumps(m.kwargs)]
+            if self.worker_lease_memory_gb:
+                extra += ["--lease-memory-gb", f"{self.worker_lease_memory_gb:g}"]
+            Path(address).parent.mkdir(parents=True, exist_ok=True)  # its log lies beside the socket
             start_worker(model, address, device=m.device, dtype=m.dtype, extra=extra, log=f"{address}.log")
         return address
 

@@ -159,9 +159,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
             check_model_kwargs(args.model, kwargs, "--model-kwargs")
             device = resolve_device(args.device)
             dtype = resolve_dtype(args.dtype, device)
-        socket = Path(args.socket or default_socket(base_identity(args.model, kwargs, args.seed), str(device)))
-        if len(str(socket.resolve())) > 100:
-            raise ValueError(f"--socket {socket.resolve()} is too long for a Unix socket (100 characters at most)")
+        if args.socket and len(str(Path(args.socket).resolve())) > 100:
+            raise ValueError(f"--socket {Path(args.socket).resolve()} is too long for a Unix socket (100 characters at most)")
         for name in args.imports:
             try:
                 importlib.import_module(name)
@@ -175,19 +174,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
         for name, v in (("--park-ttl-s", args.park_ttl_s), ("--window-ms", args.window_ms), ("--hold-ms", args.hold_ms)):
             if not v >= 0:
                 raise ValueError(f"{name} must be >= 0, got {v:g}")
+        # The lease comes before the socket: a worker's socket is keyed by the physical device it holds
+        lease, key = _worker_lease(args, device, base_identity(args.model, kwargs, args.seed))
+        if lease is not None:
+            print(f"worker lease {lease.id}: device {lease.devices[0]} ({lease.needs}), {key}", flush=True)
+        socket = Path(args.socket or default_socket(base_identity(args.model, kwargs, args.seed), key))
+        if len(str(socket.resolve())) > 100:
+            raise ValueError(f"--socket {socket.resolve()} is too long for a Unix socket (100 characters at most)")
         from tinker_pipelines.worker.server import socket_path_problem
 
         problem = socket_path_problem(socket.absolute())  # before loading the model
         if problem:
             raise ValueError(f"--socket {socket}: {problem}")
-        from tinker_pipelines.scheduler.step_entry import hold_worker_lease
-
-        # Started by a leased step: hold the step's device for as long as this worker lives, so
-        # no exclusive step is placed where the base model sits (released when this process exits)
-        lease = hold_worker_lease(os.environ, device.index if device.type == "cuda" else None,
-                                  args.lease_memory_gb, args.lease_timeout_s)
-        if lease is not None:
-            print(f"worker lease {lease.id}: device {lease.devices[0]} ({lease.needs})", flush=True)
     except (ValueError, ImportError, json.JSONDecodeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -213,13 +211,90 @@ def cmd_worker(args: argparse.Namespace) -> int:
     engine = Engine(model, tok.pad_token_id, stop_token_ids(tok), base_identity(args.model, kwargs, args.seed),
                     EngineConfig(batching=not args.no_batching, max_rows=args.max_rows, max_train_rows=args.max_train_rows,
                                  max_lora_rank=args.max_lora_rank, exclusive=args.exclusive,
-                                 park_ttl_s=args.park_ttl_s), tokenizer=tok)
+                                 park_ttl_s=args.park_ttl_s), tokenizer=tok, device_key=key)
     try:
         WorkerServer(engine, socket.resolve(), window_s=args.window_ms / 1000, hold_s=args.hold_ms / 1000).serve_forever()
     except OSError as e:
         print(f"error: cannot listen on {socket}: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _worker_lease(args: argparse.Namespace, device, base: str):
+    """(this worker's own 'lora' lease or None, the physical identity of its device). Started by
+    a leased step: a lease on the step's device, which lives as long as this worker, so no
+    exclusive step is placed where the base model sits. Started by hand with a ledger named
+    (`--ledger`, else $TINKER_LEDGER): a lease like any step's, on its GPU (by UUID), or for a
+    simulated or CPU inventory on `--lease-device` (default: where the ledger places it). The
+    owner's step key names the base (`worker:<base>`). Raises ValueError / TimeoutError."""
+    from tinker_pipelines.scheduler import workers
+    from tinker_pipelines.scheduler.step_entry import LEDGER_ENV, hold_worker_lease
+
+    cuda_index = (device.index or 0) if device.type == "cuda" else None
+    step_key = workers.worker_step_key(base)
+    held = workers.step_lease(os.environ)
+    if held is not None:
+        if args.lease_device is not None:
+            raise ValueError("--lease-device is for a worker started by hand; this one inherits its step's lease "
+                             f"(TINKER_LEASE_DEVICES={os.environ['TINKER_LEASE_DEVICES']})")
+        lease = hold_worker_lease(os.environ, cuda_index, args.lease_memory_gb, args.lease_timeout_s, step_key)
+        return lease, workers.leased_device_key(held[0], lease.devices[0], held[2])
+    ledger_path = os.environ.get(LEDGER_ENV, "") if args.ledger is None else args.ledger
+    if not ledger_path:
+        if args.lease_device is not None or args.inventory:
+            raise ValueError("--lease-device and --inventory need a ledger (--ledger or TINKER_LEDGER)")
+        return None, workers.worker_device_key(device.type, cuda_index)
+    inventory, only = _hand_lease_devices(args, device, cuda_index)
+    from tinker_pipelines.schedule_rules import LORA_STEP_TAGS
+    from tinker_pipelines.scheduler.ledger import Ledger, LeaseOwner
+    from tinker_pipelines.scheduler.placement import StepNeeds
+
+    memory = float(LORA_STEP_TAGS["tinker/memory_gb"]) if args.lease_memory_gb is None else args.lease_memory_gb
+    if not memory > 0:
+        raise ValueError(f"--lease-memory-gb must be > 0, got {memory:g}")
+    try:
+        lease = Ledger(ledger_path).acquire(LeaseOwner.current(step_key=step_key), StepNeeds(1, memory, "lora"),
+                                            inventory, timeout_s=args.lease_timeout_s, poll_s=0.2, only=only)
+    except (ValueError, TimeoutError) as e:
+        raise ValueError(f"--ledger {ledger_path}: no lease for this worker: {one_line(str(e))}") from None
+    return lease, workers.leased_device_key(inventory, lease.devices[0], ledger_path)
+
+
+def _hand_lease_devices(args: argparse.Namespace, device, cuda_index: int | None):
+    """(the inventory a worker started by hand leases from, the devices it may get or None)."""
+    import json
+
+    from tinker_pipelines.scheduler import workers
+    from tinker_pipelines.scheduler.inventory import Inventory, InventoryError
+    from tinker_pipelines.scheduler.step_entry import INVENTORY_ENV
+
+    text = args.inventory or os.environ.get(INVENTORY_ENV, "")
+    try:
+        spec = json.loads(text) if text else None
+        if spec is None:
+            inventory = Inventory.detect()
+        elif isinstance(spec, dict) and isinstance(spec.get("devices"), list) and spec["devices"] and all(
+                isinstance(d, dict) and "kind" in d for d in spec["devices"]):
+            inventory = Inventory.from_dict(spec)
+        else:
+            inventory = Inventory.from_config(spec, field="--inventory")
+    except (json.JSONDecodeError, InventoryError, KeyError, TypeError) as e:
+        raise ValueError(f"--inventory {text!r}: {one_line(str(e))}") from None
+    only = None
+    if cuda_index is not None:
+        uuid = workers.cuda_device_key(cuda_index)
+        index = workers.inventory_index(inventory, uuid)
+        if index is None:
+            raise ValueError(f"--device {device} is {uuid}, which the ledger's inventory does not list")
+        only = (index,)
+    if args.lease_device is not None:
+        if not 0 <= args.lease_device < len(inventory):
+            raise ValueError(f"--lease-device {args.lease_device} is not a device of the inventory "
+                             f"(0..{len(inventory) - 1})")
+        if only is not None and only != (args.lease_device,):
+            raise ValueError(f"--lease-device {args.lease_device} is not --device {device} (inventory device {only[0]})")
+        only = (args.lease_device,)
+    return inventory, only
 
 
 def _add_worker_parser(sub) -> None:
@@ -245,11 +320,20 @@ def _add_worker_parser(sub) -> None:
     w.add_argument("--park-ttl-s", type=float, default=600.0,
                    help="how long an adapter a finished step process parked waits for the next one to claim it")
     w.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    w.add_argument("--ledger", default=None,
+                   help="device ledger to take this worker's own lease from before loading the model "
+                        "(default: $TINKER_LEDGER; '' : none); a step's worker inherits its step's")
+    w.add_argument("--inventory", default="",
+                   help="with --ledger: the inventory as JSON (a simulated one: {\"count\": 8, \"memory_gb\": 80}); "
+                        "default: $TINKER_LEASE_INVENTORY, else the GPUs NVML lists")
+    w.add_argument("--lease-device", type=int, default=None,
+                   help="with --ledger: the inventory index to lease (default: the --device GPU, or where the ledger "
+                        "places it)")
     w.add_argument("--lease-memory-gb", type=float, default=None,
-                   help="started by a leased step: GB its own lease reserves on the step's device "
-                        "(default: what the step reserved)")
+                   help="GB its own lease reserves on its device (default: what the step that started it reserved; "
+                        "started by hand, a LoRA step's)")
     w.add_argument("--lease-timeout-s", type=float, default=120.0,
-                   help="started by a leased step: how long to wait for its own lease")
+                   help="how long to wait for its own lease")
     w.add_argument("--import", dest="imports", action="append", default=[],
                    help="import this module first (custom algorithms registered there); repeatable")
     w.set_defaults(func=cmd_worker)

@@ -46,6 +46,8 @@ LEDGER_ENV = "TINKER_LEDGER"
 """The ledger file a leased step took its lease from (a worker it starts leases from it too)."""
 INVENTORY_ENV = "TINKER_LEASE_INVENTORY"
 """JSON of the inventory (`Inventory.to_config`) the step's lease indices refer to."""
+DEVICES_ENV = "TINKER_LEASE_DEVICES"
+"""The inventory indices of the step's leased devices, comma-separated."""
 CUDA_AT_APPLY_ENV = "TINKER_LEASE_CUDA_AT_APPLY"
 """What `apply_lease` found of CUDA when it set the lease variables: 'uninitialized' (torch
 imported, CUDA not started) or 'torch not imported'."""
@@ -111,13 +113,14 @@ def apply_lease(env: Mapping[str, str], environ: Any = None) -> None:
 
 
 def hold_worker_lease(environ: Mapping[str, str], cuda_index: int | None = None, memory_gb: float | None = None,
-                      timeout_s: float | None = 120.0) -> Lease | None:
+                      timeout_s: float | None = 120.0, step_key: str = "worker") -> Lease | None:
     """For a resident worker started by a leased step (`environ` holds the step's lease
     variables): a 'lora' lease of this process's own on the step's device (the `cuda_index`-th
     of the step's devices, the first by default), for `memory_gb` (default: what the step
     reserved per device). It lasts as long as this process. None when `environ` has no lease
     (a worker started by hand). ValueError when it can never be granted, TimeoutError after
-    `timeout_s`."""
+    `timeout_s`. `step_key`: the owner's step key in the ledger (a worker names its base there,
+    `workers.worker_step_key`)."""
     if not environ.get(LEDGER_ENV) or not environ.get("TINKER_LEASE_DEVICES") or not environ.get(INVENTORY_ENV):
         return None
     devices = [int(d) for d in environ["TINKER_LEASE_DEVICES"].split(",")]
@@ -132,7 +135,7 @@ def hold_worker_lease(environ: Mapping[str, str], cuda_index: int | None = None,
     if not memory > 0:
         raise ValueError(f"a worker's lease needs memory_gb > 0, got {memory:g}")
     inventory = Inventory.from_dict(json.loads(environ[INVENTORY_ENV]))
-    return Ledger(environ[LEDGER_ENV]).acquire(LeaseOwner.current(step_key="worker"), StepNeeds(1, memory, "lora"),
+    return Ledger(environ[LEDGER_ENV]).acquire(LeaseOwner.current(step_key=step_key), StepNeeds(1, memory, "lora"),
                                                inventory, timeout_s=timeout_s, poll_s=0.2, only=(devices[position],))
 
 

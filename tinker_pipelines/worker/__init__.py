@@ -34,8 +34,9 @@ class WorkerLost(WorkerDiedError):
 
 
 def default_socket(model: str, device: str) -> "Path":
-    """Where a worker for `model` on `device` listens unless told: under the project's `.tinker/`
-    (the command line and the Dagster resource that starts workers both look there)."""
+    """Where a worker for `model` on physical device `device` listens unless told: under the
+    project's `.tinker/` (the command line and the Dagster resource that starts workers both look
+    there). `device` is `scheduler.workers.worker_device_key`'s, never a logical `cuda:0`."""
     import hashlib
     from pathlib import Path
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import resource
 import threading
 import time
@@ -22,6 +23,7 @@ from tinker_pipelines.training.allocator import HeapGrowth
 from tinker_pipelines.training.learner import Learner, LearnerConfig
 from tinker_pipelines.rollout.prompt_scores import PromptScores, PromptScoring, check_scoring, score_prompts
 from tinker_pipelines.rollout.sampler import BASE, Sample, Sampler, SampleRequest
+from tinker_pipelines.scheduler.step_entry import cuda_state
 from tinker_pipelines.training.lora_linear import adapters_disabled
 from tinker_pipelines.types import Datum
 from tinker_pipelines.worker.batching import FBJob, forward_backward_together
@@ -102,6 +104,9 @@ class Engine:
     """Those that raised and were rerun one call at a time (each is logged with its cause)."""
     heap: HeapGrowth = field(default_factory=HeapGrowth)
     """Gives free heap back before a training cycle once it has grown (`training.allocator`)."""
+    device_key: str = ""
+    """The physical device this worker holds (`scheduler.workers.worker_device_key`): a GPU's
+    UUID, a leased simulated/CPU device's `<kind>:<index>@<scope>`, or `cpu`."""
 
     def __post_init__(self) -> None:
         self.base_model = self.model
@@ -494,6 +499,7 @@ class Engine:
                 "claims": self.claims, "shared_passes": self.shared_passes,
                 "shared_pass_errors": self.shared_pass_errors, **self.sampler.counts,
                 "decode_path": self.sampler.decode_path, "base": self.base, "device": str(self.device),
+                "device_key": self.device_key, "pid": os.getpid(), "cuda": cuda_state(),
                 "peak_rss_mb": usage.ru_maxrss / 1024, "rss_mb": resident_mb()[0]}
 
 

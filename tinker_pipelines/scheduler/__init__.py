@@ -14,6 +14,9 @@ a step process's `step_launch` import dagster).
   process (pid + start time) or a missed heartbeat TTL; an append-only audit table.
 - `audit`: the audit log's events and `replay_audit`, which checks a log for over-subscription
   and measures utilization.
+- `workers`: which physical device a resident worker holds (`worker_device_key`: a GPU's UUID,
+  a leased simulated/CPU device's inventory entry scoped by its ledger, or `cpu`), the key of
+  its default socket; a worker's own lease names its base (`worker_step_key`, `resident_bases`).
 
 The Dagster side: `executor` (`gpu_executor`), `step_launch` and `step_entry` (how a step process
 starts and takes its lease), `location_preload` (the code location the step forkserver imports

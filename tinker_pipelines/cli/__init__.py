@@ -252,10 +252,12 @@ def _worker_lease(args: argparse.Namespace, device, base: str):
     memory = float(LORA_STEP_TAGS["tinker/memory_gb"]) if args.lease_memory_gb is None else args.lease_memory_gb
     if not memory > 0:
         raise ValueError(f"--lease-memory-gb must be > 0, got {memory:g}")
+    import sqlite3
+
     try:
         lease = Ledger(ledger_path).acquire(LeaseOwner.current(step_key=step_key), StepNeeds(1, memory, "lora"),
                                             inventory, timeout_s=args.lease_timeout_s, poll_s=0.2, only=only)
-    except (ValueError, TimeoutError) as e:
+    except (ValueError, TimeoutError, OSError, sqlite3.Error) as e:
         raise ValueError(f"--ledger {ledger_path}: no lease for this worker: {one_line(str(e))}") from None
     return lease, workers.leased_device_key(inventory, lease.devices[0], ledger_path)
 

@@ -12,6 +12,7 @@ import pytest
 from tinker_pipelines.scheduler.executor import gpu_executor, step_needs
 from tinker_pipelines.scheduler.inventory import Inventory
 from tinker_pipelines.scheduler.ledger import Ledger, replay_audit
+from tinker_pipelines.scheduler.placement import needs_from_tags
 
 EXCLUSIVE = {"tinker/devices": "1", "tinker/sharing": "exclusive"}
 LORA = {"tinker/devices": "1", "tinker/memory_gb": "30", "tinker/sharing": "lora"}
@@ -147,6 +148,32 @@ def test_full_parameter_runs_ask_exclusive_and_bad_tags_name_the_tag():
             assert not r.success
             text = " ".join(str(e.event_specific_data) + str(e.message) for e in r.all_events)
             assert "gpu_executor.poll_interval_s must be > 0, got 0.0" in text
+
+
+def test_lora_steps_reserve_their_runs_estimate_unless_the_tag_says_how_much():
+    from tinker_pipelines.schedule_rules import LORA_STEP_TAGS
+    from tinker_pipelines.scheduler.placement import check_fits
+    from tinker_pipelines.scheduler.executor import plan_step
+
+    def run(model: dict, **training) -> dict:
+        return {"ops": {"rollout_batch": {"config": {"model": model, "training": training}}}}
+
+    smol = run({"name": "smollm2-135m-instruct"})  # defaults: 64 rows x (512 + 16) tokens per micro-batch
+    needs, est = plan_step(LORA_STEP_TAGS, smol, "rollout_batch")
+    assert needs.memory_gb == pytest.approx(est.total_gb, abs=1e-3) and needs.base == "smollm2-135m-instruct"
+    assert 0 < needs.resident_gb == pytest.approx(est.total_gb - est.weights_gb, abs=1e-3)
+    with pytest.raises(ValueError, match=r"^step needs 26\.2 GB \(weights 0\.3, KV 0\.8, activations 25\.1, "
+                                         r"adapter 0\.0\) on one device, but the largest device has 16 GB"):
+        check_fits(needs, Inventory.from_config({"count": 2, "memory_gb": 16}), est)
+    small, _ = plan_step(LORA_STEP_TAGS, run({"name": "smollm2-135m-instruct"}, micro_batch_size=8,
+                                             gradient_checkpointing=True), "other_step")
+    assert small.memory_gb < 2.5
+    check_fits(small, Inventory.from_config({"count": 2, "memory_gb": 16}))
+    assert plan_step(LORA, smol, "rollout_batch") == (needs_from_tags(LORA), None)  # an explicit size stays
+    assert plan_step(LORA_STEP_TAGS, {}, "x")[0].memory_gb == 2.0  # nothing to estimate from
+    assert plan_step(LORA_STEP_TAGS, run({"name": "tiny"}, mode="full"), "x")[0].sharing == "exclusive"
+    with pytest.raises(ValueError, match="training.micro_batch_size"):
+        plan_step(LORA_STEP_TAGS, run({"name": "tiny"}, micro_batch_size=0), "x")
 
 
 @pytest.mark.e2e

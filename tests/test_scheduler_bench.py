@@ -53,3 +53,19 @@ def test_scheduler_sim_still_runs_its_own_trace():
     jobs = sim.trace(30, 0)
     assert sim.kinds_of(jobs) and all(j.kind in sim.KINDS for j in jobs)
     assert sim.main(["--jobs", "30"])["jobs"] == 30
+
+
+def test_node_trace_sizes_lora_kinds_by_the_estimate_and_fills_every_device(capsys):
+    from benchmarks import node_placement
+    from tinker_pipelines.scheduler.estimate import ModelShape, estimate_memory
+
+    kinds = {k.name: k for k in sim.node_kinds()}
+    shape = ModelShape.from_config(sim.NODE_BASES["llama3-8b"])
+    rl = kinds["lora_rl:llama3-8b"]
+    assert rl.memory_gb == round(estimate_memory(shape, "bfloat16", sim.NODE_RL_BATCH, 16).total_gb, 3)
+    assert abs(rl.memory_gb - rl.resident_gb - 16.06) < 0.01  # the difference is the base's bf16 weights
+    out = node_placement.main(["--jobs", "80"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out
+    assert out["devices"] == 8 and out["max_devices_busy"] == 8 and out["oversubscribed"] == 0
+    assert 0 < out["makespan_ratio"] < 1.0 and out["jobs"] == 80
+    assert sim.main(["--node", "--jobs", "40"])["devices"] == 8

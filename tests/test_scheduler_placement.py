@@ -7,7 +7,7 @@ import random
 import pytest
 
 from tinker_pipelines.scheduler import Allocation, Device, Inventory, StepNeeds, check_fits, needs_from_tags, place
-from tinker_pipelines.scheduler.placement import device_use, reserve, starving
+from tinker_pipelines.scheduler.placement import device_use, granted_needs, reserve, starving
 
 
 def inv(*memory: float) -> Inventory:
@@ -185,6 +185,56 @@ def test_younger_requests_are_placed_around_a_reservation():
     assert place(lora(20), inventory, leases, exclude=(0, 1)) == (2,)
     assert place(excl(), inventory, leases, exclude=(2,)) is None
     assert place(lora(20, devices=2), inventory, leases, exclude=(1,)) == (0, 2)
+
+
+def based(base: str, gb: float, resident_gb: float) -> StepNeeds:
+    return StepNeeds(1, gb, "lora", base, resident_gb)
+
+
+def test_new_bases_spread_over_idle_devices_and_steps_join_their_bases_worker():
+    inventory, leases, resident = inv(80, 80, 80, 80), [], {}
+    for base in "ABCD":  # each brings its own copy: one per idle device, not stacked on device 0
+        got = place(based(base, 20, 4), inventory, leases, resident=resident)
+        leases.append(Allocation(got, based(base, 20, 4)))
+        resident.setdefault(got[0], set()).add(base)
+    assert sorted(d for (d,) in (a.devices for a in leases)) == [0, 1, 2, 3]
+    for base in "ABCD":  # a second step of each base goes to its worker, at the resident cost
+        needs = based(base, 20, 4)
+        got = place(needs, inventory, leases, resident=resident)
+        assert base in resident[got[0]]
+        assert granted_needs(needs, got, resident).memory_gb == 4
+    # without a base (an explicit memory tag) packing is best-fit as before
+    assert place(lora(20), inventory, leases) == (0,)
+
+
+def test_spreading_stops_where_exclusive_steps_need_the_idle_devices():
+    inventory, leases = inv(80, 80, 80, 80), [Allocation((0,), based("A", 20, 4))]
+    assert place(based("B", 20, 4), inventory, leases) == (1,)  # 3 idle devices, none kept back
+    assert place(based("B", 20, 4), inventory, leases, keep_idle=2) == (1,)  # 3 - 1 >= 2: still spreads
+    assert place(based("B", 20, 4), inventory, leases, keep_idle=3) == (0,)  # would leave 2 < 3: packs
+    assert place(based("B", 20, 4), inventory, [Allocation((0,), lora(70))], keep_idle=3) == (1,)  # 0 is full
+
+
+def test_a_step_never_goes_where_its_cost_there_does_not_fit():
+    inventory = inv(80, 24)
+    leases = [Allocation((0,), lora(70)), Allocation((1,), lora(10))]
+    assert place(based("A", 20, 8), inventory, leases, resident={0: {"A"}}) == (0,)  # 8 <= 10 free
+    assert place(based("A", 20, 12), inventory, leases, resident={0: {"A"}}) is None  # 12 > 10, 20 > 14
+    assert place(based("A", 14, 12), inventory, leases, resident={0: {"A"}}) == (1,)  # full copy fits on 1
+    assert granted_needs(based("A", 14, 12), (1,), {0: {"A"}}).memory_gb == 14
+    with pytest.raises(ValueError, match="resident_gb must be a number in"):
+        based("A", 10, 12)
+
+
+def test_check_fits_says_the_estimate_when_no_device_holds_it():
+    from tinker_pipelines.scheduler.estimate import MemoryEstimate
+
+    est = MemoryEstimate(16.06, 1.2, 0.9, 0.25)
+    with pytest.raises(ValueError, match=r"^step needs 18\.4 GB \(weights 16\.1, KV 1\.2, activations 0\.9, "
+                                         r"adapter 0\.2\) on one device, but the largest device has 16 GB"):
+        check_fits(lora(round(est.total_gb, 3)), inv(16, 16), est)
+    with pytest.raises(ValueError, match="only 2 device"):
+        check_fits(lora(1, devices=3), inv(16, 16), est)
 
 
 def test_inventory_from_config_forms():

@@ -18,9 +18,10 @@ DEVICE_POOL = "tinker_device"
 """Dagster concurrency pool of the steps that load or train a model."""
 
 
-LORA_STEP_TAGS = {"tinker/devices": "1", "tinker/memory_gb": "2", "tinker/sharing": "lora"}
-"""Op tags of a step that trains or samples one LoRA experiment: one device, shared, ~2 GB of it
-(the GPU-aware executor makes it exclusive when the run's config trains every parameter)."""
+LORA_STEP_TAGS = {"tinker/devices": "1", "tinker/memory_gb": "auto", "tinker/sharing": "lora"}
+"""Op tags of a step that trains or samples one LoRA experiment: one device, shared, as much of it
+as the run's model and batch need (the GPU-aware executor estimates it from the run's config,
+`scheduler.estimate`, and makes the step exclusive when the config trains every parameter)."""
 EXCLUSIVE_STEP_TAGS = {"tinker/devices": "1", "tinker/sharing": "exclusive"}
 """Op tags of a step that trains every parameter of a model (SFT): one whole device."""
 

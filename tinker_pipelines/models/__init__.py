@@ -3,6 +3,7 @@ wheel) and any local Hugging Face model directory. Nothing is fetched from a mod
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,34 @@ def check_model_kwargs(name: str, kwargs: dict[str, Any], field: str = "model.kw
     if kwargs.get("hidden_size", 128) % 4:
         raise ValueError(f"{field}.hidden_size must be a multiple of 4 (tiny's attention heads), "
                          f"got {kwargs['hidden_size']}")
+
+
+SMOLLM2_135M_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+"""SmolLM2-135M's published shape (its GGUF is only read to load the weights)."""
+
+
+def model_config(name: str, kwargs: dict[str, Any] | None = None) -> Any:
+    """The transformers config of a catalog model or model directory, without its weights: what
+    the scheduler's memory estimate reads (`scheduler.estimate.ModelShape.from_config`)."""
+    check_model_name(name)
+    from transformers import AutoConfig, LlamaConfig
+
+    if name == "tiny":
+        from tinker_pipelines.models.tiny import tiny_config
+
+        args = {"hidden_size": 128, "num_layers": 4, "arch": "llama", **(kwargs or {})}
+        return tiny_config(args["arch"], _tiny_vocab(), args["hidden_size"], args["num_layers"], 0, 0)
+    if name == "smollm2-135m-instruct":
+        return LlamaConfig(**SMOLLM2_135M_SHAPE)
+    return AutoConfig.from_pretrained(name)
+
+
+@functools.cache
+def _tiny_vocab() -> int:
+    from tinker_pipelines.models.tiny import build_tokenizer
+
+    return len(build_tokenizer())  # trained in ~1 s, once per process
 
 
 DEVICE_CHOICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"

@@ -9,6 +9,8 @@ a step process's `step_launch` import dagster).
   `tinker/sharing`), `place` (best-fit packing of 'lora' steps, whole idle devices for
   'exclusive' ones, never over-subscribed), `check_fits` (fail at once on a request that can
   never be placed) and the anti-starvation reservation (`starving`, `reserve`). Pure functions: no I/O, no clock.
+- `estimate`: what a LoRA step needs on a device (weights, KV cache, activations, adapter), from
+  the model's config alone; the executor turns `tinker/memory_gb: auto` into it.
 - `ledger`: the reservation ledger shared by all processes and runs on a machine — a sqlite
   file in WAL mode, each grant one `BEGIN IMMEDIATE` transaction; leases die with their owner
   process (pid + start time) or a missed heartbeat TTL; an append-only audit table.

@@ -10,6 +10,10 @@ resuming a failed run. A request that can never fit fails its step at once.
 
 A run whose config trains every parameter (`training.mode: full`, or the `sft` job) asks for its
 devices `exclusive` even where the asset says `lora`: a full-parameter step never shares a device.
+A LoRA step tagged `tinker/memory_gb: auto` (the assets' `LORA_STEP_TAGS`) reserves what its
+run's model and batch need (`plan_step`, `scheduler.estimate`), and names its base so that
+placement can spread bases over idle devices; a step whose estimate exceeds every device fails
+at once, saying the estimate's parts.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -28,7 +33,11 @@ from dagster._core.executor.step_delegating import (CheckStepHealthResult, StepD
 
 from tinker_pipelines.scheduler.ledger import LEDGER_FILE  # noqa: F401 (re-exported: the executor's default)
 from tinker_pipelines.scheduler.inventory import Inventory, InventoryError
-from tinker_pipelines.scheduler.placement import StepNeeds, check_fits, needs_from_tags
+from tinker_pipelines.checkpoint import RECORD
+from tinker_pipelines.config import Config, config_from_dict
+from tinker_pipelines.models import CATALOG, base_identity, model_config
+from tinker_pipelines.scheduler.estimate import PROMPT_TOKENS, Batch, MemoryEstimate, ModelShape, estimate_memory
+from tinker_pipelines.scheduler.placement import AUTO, TAG_PREFIX, StepNeeds, check_fits, needs_from_tags
 from tinker_pipelines.scheduler.step_entry import NEVER_FITS_EXIT
 from tinker_pipelines.scheduler.step_launch import LAUNCHES, StepProcess, code_location, launch
 
@@ -38,12 +47,65 @@ POLL_INTERVAL_S = 0.02
 few-second RL iteration's three step hand-offs."""
 
 
-def step_needs(tags: dict[str, str], run_config: dict[str, Any]) -> StepNeeds | None:
+def step_needs(tags: dict[str, str], run_config: dict[str, Any], step_key: str | None = None) -> StepNeeds | None:
     """The step's needs from its op tags, made exclusive when the run trains every parameter."""
-    needs = needs_from_tags(tags)
-    if needs is not None and needs.sharing == "lora" and _trains_all_parameters(run_config):
-        return StepNeeds(needs.devices, needs.memory_gb, "exclusive")
-    return needs
+    return plan_step(tags, run_config, step_key)[0]
+
+
+def plan_step(tags: dict[str, str], run_config: dict[str, Any],
+              step_key: str | None = None) -> tuple[StepNeeds | None, MemoryEstimate | None]:
+    """The step's needs and, for `tinker/memory_gb: auto`, the estimate they reserve: from the
+    model and training sections of the step's op config (or the run's first that has them).
+    Without such a section `auto` is `placement.AUTO_FALLBACK_GB`; a malformed one raises
+    `ConfigError` naming the field, before any model loads."""
+    full = _trains_all_parameters(run_config)
+    estimate, base = None, ""
+    if str(tags.get(TAG_PREFIX + "memory_gb", "")).strip().lower() == AUTO and not full:
+        section = _experiment_section(run_config, step_key)
+        if section is not None:
+            cfg = config_from_dict(section)
+            estimate, base = config_estimate(cfg), _base_key(cfg)
+    needs = needs_from_tags(tags, auto_memory_gb=None if estimate is None else round(estimate.total_gb, 3))
+    if needs is not None and needs.sharing == "lora" and full:
+        return StepNeeds(needs.devices, needs.memory_gb, "exclusive"), None
+    if needs is not None and estimate is not None and needs.sharing == "lora":
+        resident = config_estimate(cfg, base_resident=True).total_gb
+        needs = replace(needs, base=base, resident_gb=min(needs.memory_gb, round(resident, 3)))
+    return needs, estimate
+
+
+def config_estimate(cfg: Config, base_resident: bool = False) -> MemoryEstimate:
+    """What one LoRA step of experiment `cfg` needs on its device (`estimate.estimate_memory`)."""
+    t = cfg.training
+    batch = Batch(t.groups_per_batch * t.group_size, PROMPT_TOKENS, t.max_new_tokens * t.max_turns,
+                  t.micro_batch_size, t.gradient_checkpointing)
+    shape = ModelShape.from_config(model_config(cfg.model.name, cfg.model.kwargs))
+    return estimate_memory(shape, cfg.model.dtype, batch, t.lora_rank, base_resident=base_resident)
+
+
+def _base_key(cfg: Config) -> str:
+    """Names the base as workers do (`base_identity`), but a plain model directory by its path:
+    its identity hashes every weight file (a minute for 18 GB), too slow for a step's launch."""
+    name = cfg.model.name
+    if name in CATALOG or (Path(name) / RECORD).is_file():
+        return base_identity(name, cfg.model.kwargs, cfg.seed if cfg.model.seed is None else cfg.model.seed)
+    return str(Path(name).resolve())
+
+
+def _experiment_section(run_config: Any, step_key: str | None) -> dict[str, Any] | None:
+    """The `model` and `training` sections of the step's op config, else of the first op config
+    that has a `model` mapping or a `training` mapping (an inference op names a registered
+    version instead: no estimate)."""
+    ops = run_config.get("ops") if isinstance(run_config, dict) else None
+    if not isinstance(ops, dict):
+        return None
+    configs = [ops.get(step_key)] if step_key in ops else []
+    configs += list(ops.values())
+    for op in configs:
+        c = op.get("config") if isinstance(op, dict) else None
+        if isinstance(c, dict) and (isinstance(c.get("model"), dict) or isinstance(c.get("training"), dict)):
+            return {k: c[k] for k in ("seed", "model", "training", "algorithm") if k in c and c[k] is not None}
+    return None
 
 
 def _trains_all_parameters(config: Any) -> bool:
@@ -76,11 +138,12 @@ class DeviceStepHandler(StepHandler):
 
     def launch_step(self, ctx: StepHandlerContext) -> Iterator[DagsterEvent]:
         run_id, step_key = self._key(ctx)
-        needs = step_needs(dict(ctx.step_tags[step_key]), ctx.dagster_run.run_config or {})
+        needs, estimate = plan_step(dict(ctx.step_tags[step_key]), ctx.dagster_run.run_config or {}, step_key)
         if needs is not None:
-            check_fits(needs, self.inventory)  # never waits forever: a step that cannot fit fails now
+            check_fits(needs, self.inventory, estimate)  # never waits forever: a step that cannot fit fails now
         spec = None if needs is None else {"devices": needs.devices, "memory_gb": needs.memory_gb,
-                                           "sharing": needs.sharing, "timeout_s": self.timeout_s,
+                                           "sharing": needs.sharing, "base": needs.base,
+                                           "resident_gb": needs.resident_gb, "timeout_s": self.timeout_s,
                                            "poll_s": self.poll_s}
         # the inventory as detected here: a step that detected its own would start CUDA before its lease
         lease_args = (self.ledger_path, json.dumps(self.inventory.to_config()), json.dumps(spec), run_id, step_key)

@@ -74,7 +74,7 @@ def lease_environment(ledger_path: str, inventory_json: str, needs_json: str, ru
     if spec is None:
         return {STEP_PROCESS_ENV: "1"}
     inventory = inventory_from_json(inventory_json)
-    needs = StepNeeds(**{k: spec[k] for k in ("devices", "memory_gb", "sharing")})
+    needs = StepNeeds(**{k: spec[k] for k in ("devices", "memory_gb", "sharing", "base", "resident_gb") if k in spec})
     lease = Ledger(ledger_path).acquire(LeaseOwner.current(run_id, step_key), needs, inventory,
                                         timeout_s=spec.get("timeout_s"), poll_s=spec.get("poll_s", 0.5))
     env = {STEP_PROCESS_ENV: "1", "TINKER_LEASE_DEVICES": ",".join(map(str, lease.devices)),

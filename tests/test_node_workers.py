@@ -88,7 +88,8 @@ def test_a_worker_started_by_hand_refuses_a_lease_it_cannot_get_before_loading(t
         monkeypatch.delenv(k, raising=False)
     ledger = str(tmp_path / "l.sqlite")
     one = json.dumps({"count": 1, "memory_gb": 3})
-    Ledger(ledger).acquire(LeaseOwner.current(step_key="busy"), StepNeeds(1, 2.5, "lora"),
+    # full: not even the tiny base's weights (its default lease, from its config) fit beside it
+    Ledger(ledger).acquire(LeaseOwner.current(step_key="busy"), StepNeeds(1, 3, "lora"),
                            Inventory.from_config({"count": 1, "memory_gb": 3}))
     cases = [
         (["--ledger", ledger, "--inventory", one, "--lease-timeout-s", "0.3"], "no devices for"),

@@ -256,3 +256,24 @@ def test_a_pinned_request_gets_only_its_device_or_waits(path):
         ledger.acquire(me, StepNeeds(1, 10, "lora"), inventory, timeout_s=1, only=(1,))
     with pytest.raises(ValueError, match=r"on devices \[5\]"):
         ledger.acquire(me, StepNeeds(1, 2, "lora"), inventory, timeout_s=1, only=(5,))
+
+
+def test_a_lora_step_joins_the_device_where_a_worker_holds_its_base(path):
+    """The ledger reads which bases workers' leases hold (`worker:<base>`): a step of that base
+    goes there at its resident cost (its adapter and batch), one of another base goes to the idle
+    device with its full estimate, and a step that cannot fit beside a base it lacks waits."""
+    ledger, inventory = Ledger(path), Inventory.from_config({"count": 2, "memory_gb": 16})
+    worker = ledger.acquire(LeaseOwner.current(run_id="w", step_key="worker:base-a"), StepNeeds(1, 10, "lora"),
+                            inventory, timeout_s=5, only=(1,))
+    warm = ledger.acquire(LeaseOwner.current(run_id="r1", step_key="s"),
+                          StepNeeds(1, 12, "lora", base="base-a", resident_gb=1.5), inventory, timeout_s=5)
+    assert warm.devices == (1,) and warm.needs.memory_gb == 1.5  # 12 GB would not fit beside the worker's 10
+    cold = ledger.acquire(LeaseOwner.current(run_id="r2", step_key="s"),
+                          StepNeeds(1, 12, "lora", base="base-b", resident_gb=1.5), inventory, timeout_s=5)
+    assert cold.devices == (0,) and cold.needs.memory_gb == 12
+    with pytest.raises(TimeoutError):  # base-b's worker holds no lease yet: a third copy fits nowhere
+        ledger.acquire(LeaseOwner.current(run_id="r3", step_key="s"),
+                       StepNeeds(1, 12, "lora", base="base-c", resident_gb=1.5), inventory, timeout_s=0.3, poll_s=0.05)
+    for lease in (worker, warm, cold):
+        assert ledger.release(lease)
+    assert replay_audit(ledger.audit_log(), inventory).oversubscribed == 0

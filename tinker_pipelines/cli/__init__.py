@@ -175,7 +175,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
             if not v >= 0:
                 raise ValueError(f"{name} must be >= 0, got {v:g}")
         # The lease comes before the socket: a worker's socket is keyed by the physical device it holds
-        lease, key = _worker_lease(args, device, base_identity(args.model, kwargs, args.seed))
+        from tinker_pipelines.scheduler.workers import placement_base
+
+        lease, key = _worker_lease(args, device, placement_base(args.model, kwargs, args.seed),
+                                   lambda: _base_weights_gb(args.model, kwargs, dtype))
         if lease is not None:
             print(f"worker lease {lease.id}: device {lease.devices[0]} ({lease.needs}), {key}", flush=True)
         socket = Path(args.socket or default_socket(base_identity(args.model, kwargs, args.seed), key))
@@ -220,7 +223,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _worker_lease(args: argparse.Namespace, device, base: str):
+def _base_weights_gb(model: str, kwargs: dict, dtype) -> float:
+    """What a worker started by hand leases unless told (`--lease-memory-gb`): its base's weights
+    at its dtype, from the model's config (`scheduler.estimate`)."""
+    from tinker_pipelines.models import model_config
+    from tinker_pipelines.scheduler.estimate import ModelShape
+
+    return ModelShape.from_config(model_config(model, kwargs)).parameters() * dtype.itemsize / 1e9
+
+
+def _worker_lease(args: argparse.Namespace, device, base: str, weights_gb=lambda: 0.0):
     """(this worker's own 'lora' lease or None, the physical identity of its device). Started by
     a leased step: a lease on the step's device, which lives as long as this worker, so no
     exclusive step is placed where the base model sits. Started by hand with a ledger named
@@ -245,11 +257,10 @@ def _worker_lease(args: argparse.Namespace, device, base: str):
             raise ValueError("--lease-device and --inventory need a ledger (--ledger or TINKER_LEDGER)")
         return None, workers.worker_device_key(device.type, cuda_index)
     inventory, only = _hand_lease_devices(args, device, cuda_index)
-    from tinker_pipelines.schedule_rules import LORA_STEP_TAGS
     from tinker_pipelines.scheduler.ledger import Ledger, LeaseOwner
     from tinker_pipelines.scheduler.placement import StepNeeds
 
-    memory = float(LORA_STEP_TAGS["tinker/memory_gb"]) if args.lease_memory_gb is None else args.lease_memory_gb
+    memory = weights_gb() if args.lease_memory_gb is None else args.lease_memory_gb
     if not memory > 0:
         raise ValueError(f"--lease-memory-gb must be > 0, got {memory:g}")
     import sqlite3
@@ -332,8 +343,9 @@ def _add_worker_parser(sub) -> None:
                    help="with --ledger: the inventory index to lease (default: the --device GPU, or where the ledger "
                         "places it)")
     w.add_argument("--lease-memory-gb", type=float, default=None,
-                   help="GB its own lease reserves on its device (default: what the step that started it reserved; "
-                        "started by hand, a LoRA step's)")
+                   help="GB its own lease reserves on its device (default: its base's weights where the step "
+                        "that started it estimated them, else what that step reserved; started by hand, its "
+                        "base's weights at its dtype)")
     w.add_argument("--lease-timeout-s", type=float, default=120.0,
                    help="how long to wait for its own lease")
     w.add_argument("--import", dest="imports", action="append", default=[],

@@ -33,9 +33,8 @@ from dagster._core.executor.step_delegating import (CheckStepHealthResult, StepD
 
 from tinker_pipelines.scheduler.ledger import LEDGER_FILE  # noqa: F401 (re-exported: the executor's default)
 from tinker_pipelines.scheduler.inventory import Inventory, InventoryError
-from tinker_pipelines.checkpoint import RECORD
 from tinker_pipelines.config import Config, config_from_dict
-from tinker_pipelines.models import CATALOG, base_identity, model_config
+from tinker_pipelines.models import model_config
 from tinker_pipelines.scheduler.estimate import PROMPT_TOKENS, Batch, MemoryEstimate, ModelShape, estimate_memory
 from tinker_pipelines.scheduler.placement import AUTO, TAG_PREFIX, StepNeeds, check_fits, needs_from_tags
 from tinker_pipelines.scheduler.step_entry import NEVER_FITS_EXIT
@@ -84,12 +83,11 @@ def config_estimate(cfg: Config, base_resident: bool = False) -> MemoryEstimate:
 
 
 def _base_key(cfg: Config) -> str:
-    """Names the base as workers do (`base_identity`), but a plain model directory by its path:
-    its identity hashes every weight file (a minute for 18 GB), too slow for a step's launch."""
-    name = cfg.model.name
-    if name in CATALOG or (Path(name) / RECORD).is_file():
-        return base_identity(name, cfg.model.kwargs, cfg.seed if cfg.model.seed is None else cfg.model.seed)
-    return str(Path(name).resolve())
+    """The step's base as workers' leases name theirs (`workers.placement_base`)."""
+    from tinker_pipelines.scheduler.workers import placement_base
+
+    m = cfg.model
+    return placement_base(m.name, m.kwargs, cfg.seed if m.seed is None else m.seed)
 
 
 def _experiment_section(run_config: Any, step_key: str | None) -> dict[str, Any] | None:

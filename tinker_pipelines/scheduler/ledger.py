@@ -28,14 +28,30 @@ import os
 import socket
 import sqlite3
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tinker_pipelines.scheduler.audit import AuditEvent, AuditReport, replay_audit
 from tinker_pipelines.scheduler.inventory import Inventory
-from tinker_pipelines.scheduler.placement import StepNeeds, check_fits, place, reserve, starving
+from tinker_pipelines.scheduler.placement import StepNeeds, check_fits, granted_needs, place, reserve, starving
+
+WORKER_STEP_PREFIX = "worker:"
+"""A resident worker's lease carries the step key `worker:<base>` (`workers.placement_base`):
+what the ledger reads to know which bases each device holds."""
+
+
+def resident_bases(leases: Iterable[Lease]) -> dict[int, frozenset[str]]:
+    """Per device index, the bases that live workers' leases say are loaded there."""
+    out: dict[int, set[str]] = {}
+    for lease in leases:
+        key = lease.owner.step_key or ""
+        if key.startswith(WORKER_STEP_PREFIX) and len(key) > len(WORKER_STEP_PREFIX):
+            for d in lease.devices:
+                out.setdefault(d, set()).add(key[len(WORKER_STEP_PREFIX):])
+    return {d: frozenset(b) for d, b in out.items()}
+
 
 __all__ = ["AuditEvent", "AuditReport", "Lease", "LeaseLost", "LeaseOwner", "Ledger", "owner_alive",
            "process_start_time", "replay_audit"]
@@ -209,8 +225,10 @@ class Ledger:
                     exclude: tuple[int, ...] = pinned
                     if head[0] != ticket and starving(head[1], now, self.starve_after_s):
                         exclude += reserve(StepNeeds(**json.loads(head[2])), inventory, leases)
-                    devices = place(needs, inventory, leases, exclude)
+                    resident = resident_bases(leases)
+                    devices = place(needs, inventory, leases, exclude, resident, self._exclusive_waiting(con, ticket))
                     if devices is not None:
+                        needs = granted_needs(needs, devices, resident)
                         lease_id = con.execute(
                             f"INSERT INTO leases ({_LEASE_COLS.split(', ', 1)[1]}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                             (json.dumps(devices), needs.devices, needs.memory_gb, needs.sharing, owner.pid,
@@ -229,6 +247,16 @@ class Ledger:
             if ticket is not None:
                 with self._tx() as con:
                     con.execute("DELETE FROM waiting WHERE ticket = ?", (ticket,))
+
+    @staticmethod
+    def _exclusive_waiting(con: sqlite3.Connection, ticket: int) -> int:
+        """Devices that other waiters' exclusive requests need: a LoRA step that brings a base
+        of its own leaves that many idle devices for them (`place`'s `keep_idle`)."""
+        n = 0
+        for (spec,) in con.execute("SELECT needs FROM waiting WHERE ticket != ?", (ticket,)):
+            w = json.loads(spec)
+            n += w["devices"] if w.get("sharing") == "exclusive" else 0
+        return n
 
     def release(self, lease: Lease) -> bool:
         """Give the devices back; False if the lease was already gone (released or expired)."""

@@ -48,6 +48,9 @@ INVENTORY_ENV = "TINKER_LEASE_INVENTORY"
 """JSON of the inventory (`Inventory.to_config`) the step's lease indices refer to."""
 DEVICES_ENV = "TINKER_LEASE_DEVICES"
 """The inventory indices of the step's leased devices, comma-separated."""
+BASE_GB_ENV = "TINKER_LEASE_BASE_GB"
+"""What of a LoRA step's estimate its base's weights take (memory_gb - resident_gb): the lease a
+worker the step starts holds for as long as it keeps the base loaded."""
 CUDA_AT_APPLY_ENV = "TINKER_LEASE_CUDA_AT_APPLY"
 """What `apply_lease` found of CUDA when it set the lease variables: 'uninitialized' (torch
 imported, CUDA not started) or 'torch not imported'."""
@@ -79,8 +82,10 @@ def lease_environment(ledger_path: str, inventory_json: str, needs_json: str, ru
                                         timeout_s=spec.get("timeout_s"), poll_s=spec.get("poll_s", 0.5))
     env = {STEP_PROCESS_ENV: "1", "TINKER_LEASE_DEVICES": ",".join(map(str, lease.devices)),
            "TINKER_LEASE_ID": str(lease.id), LEDGER_ENV: str(Path(ledger_path).absolute()),
-           INVENTORY_ENV: json.dumps(inventory.to_config()), "TINKER_LEASE_MEMORY_GB": f"{needs.memory_gb:g}",
+           INVENTORY_ENV: json.dumps(inventory.to_config()), "TINKER_LEASE_MEMORY_GB": f"{lease.needs.memory_gb:g}",
            "TINKER_LEASE_SHARING": needs.sharing}
+    if needs.base and 0 < needs.resident_gb < needs.memory_gb:  # what a worker it starts holds: the base
+        env[BASE_GB_ENV] = f"{needs.memory_gb - needs.resident_gb:g}"
     visible = lease_visible_devices(inventory, lease.devices)
     if visible is not None:
         env[VISIBLE_ENV] = visible
@@ -131,7 +136,9 @@ def hold_worker_lease(environ: Mapping[str, str], cuda_index: int | None = None,
     if environ.get("TINKER_LEASE_SHARING") == "exclusive":
         raise ValueError(f"the step that starts this worker holds device {devices[position]} exclusively; a worker "
                          "shares its device like a 'lora' step, so it can never be granted it")
-    memory = float(environ.get("TINKER_LEASE_MEMORY_GB") or 0) if memory_gb is None else memory_gb
+    if memory_gb is None:  # the base's weights where the step's estimate split them off, else the step's share
+        memory_gb = float(environ.get(BASE_GB_ENV) or environ.get("TINKER_LEASE_MEMORY_GB") or 0)
+    memory = memory_gb
     if not memory > 0:
         raise ValueError(f"a worker's lease needs memory_gb > 0, got {memory:g}")
     inventory = Inventory.from_dict(json.loads(environ[INVENTORY_ENV]))

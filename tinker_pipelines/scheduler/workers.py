@@ -21,14 +21,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from tinker_pipelines.scheduler.inventory import VISIBLE_ENV, Inventory, visible_gpu
-from tinker_pipelines.scheduler.ledger import Lease
+from tinker_pipelines.scheduler.ledger import WORKER_STEP_PREFIX, resident_bases  # noqa: F401 (resident_bases re-exported)
 from tinker_pipelines.scheduler.step_entry import DEVICES_ENV, INVENTORY_ENV, LEDGER_ENV
 
-WORKER_STEP_PREFIX = "worker:"
 """The step key of a worker's own lease starts with this, followed by the base it holds."""
 
 
@@ -95,17 +94,21 @@ def inventory_index(inventory: Inventory, key: str) -> int | None:
     return found[0] if len(found) == 1 else None
 
 
+def placement_base(name: str, kwargs: Mapping | None, seed: int) -> str:
+    """How placement and workers' leases name a base: its `base_identity`, except a plain model
+    directory by its resolved path (its identity hashes every weight file: a minute for 18 GB, too
+    slow for a step's launch). The executor names a step's base and a worker its own lease by it,
+    so a step finds the devices where its base is loaded."""
+    from tinker_pipelines.checkpoint import RECORD
+    from tinker_pipelines.models import CATALOG, base_identity
+
+    if name in CATALOG or (Path(name) / RECORD).is_file():
+        return base_identity(name, dict(kwargs or {}), seed)
+    return str(Path(name).resolve())
+
+
 def worker_step_key(base: str) -> str:
     """The step key a worker's own lease carries: it names the base the worker holds."""
     return WORKER_STEP_PREFIX + base
 
 
-def resident_bases(leases: Iterable[Lease]) -> dict[int, frozenset[str]]:
-    """Per device index, the bases that live workers' leases say are loaded there."""
-    out: dict[int, set[str]] = {}
-    for lease in leases:
-        key = lease.owner.step_key or ""
-        if key.startswith(WORKER_STEP_PREFIX) and len(key) > len(WORKER_STEP_PREFIX):
-            for d in lease.devices:
-                out.setdefault(d, set()).add(key[len(WORKER_STEP_PREFIX):])
-    return {d: frozenset(b) for d, b in out.items()}

@@ -10,6 +10,9 @@ resuming a failed run. A request that can never fit fails its step at once.
 
 A run whose config trains every parameter (`training.mode: full`, or the `sft` job) asks for its
 devices `exclusive` even where the asset says `lora`: a full-parameter step never shares a device.
+Its `training.devices: k` raises the step's `tinker/devices` to k, and a full-parameter step on
+k > 1 devices is launched as `torchrun` with one rank per leased device (`ranks`): the step
+process holds the lease while its ranks run, and a failed rank fails the step with its one line.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dagster._core.executor.step_delegating import (CheckStepHealthResult, StepD
 from tinker_pipelines.scheduler.ledger import LEDGER_FILE  # noqa: F401 (re-exported: the executor's default)
 from tinker_pipelines.scheduler.inventory import Inventory, InventoryError
 from tinker_pipelines.scheduler.placement import StepNeeds, check_fits, needs_from_tags
+from tinker_pipelines.scheduler.ranks import RANK_FAILED_EXIT, failure_reason, rank_dir_for
 from tinker_pipelines.scheduler.step_entry import NEVER_FITS_EXIT
 from tinker_pipelines.scheduler.step_launch import LAUNCHES, StepProcess, code_location, launch
 
@@ -39,11 +43,28 @@ few-second RL iteration's three step hand-offs."""
 
 
 def step_needs(tags: dict[str, str], run_config: dict[str, Any]) -> StepNeeds | None:
-    """The step's needs from its op tags, made exclusive when the run trains every parameter."""
+    """The step's needs from its op tags, made exclusive when the run trains every parameter, on
+    as many devices as the run config's `training.devices` asks (when more than the tags)."""
     needs = needs_from_tags(tags)
-    if needs is not None and needs.sharing == "lora" and _trains_all_parameters(run_config):
-        return StepNeeds(needs.devices, needs.memory_gb, "exclusive")
-    return needs
+    if needs is None or not _trains_all_parameters(run_config):
+        return needs
+    return StepNeeds(max(needs.devices, _training_devices(run_config)), needs.memory_gb, "exclusive")
+
+
+def is_ranked(needs: StepNeeds | None, run_config: dict[str, Any]) -> bool:
+    """A full-parameter step on several devices runs as `torchrun`, one rank per device (`ranks`)."""
+    return needs is not None and needs.devices > 1 and _trains_all_parameters(run_config)
+
+
+def _training_devices(config: Any) -> int:
+    """The largest `training.devices` of the run config (1 when none is set)."""
+    if not isinstance(config, dict):
+        return 1
+    training = config.get("training")
+    own = training.get("devices", 1) if isinstance(training, dict) else 1
+    if isinstance(own, bool) or not isinstance(own, int) or own < 1:
+        raise ValueError(f"training.devices must be a positive integer, got {own!r}")
+    return max([own, *(_training_devices(v) for v in config.values())])
 
 
 def _trains_all_parameters(config: Any) -> bool:
@@ -76,12 +97,19 @@ class DeviceStepHandler(StepHandler):
 
     def launch_step(self, ctx: StepHandlerContext) -> Iterator[DagsterEvent]:
         run_id, step_key = self._key(ctx)
-        needs = step_needs(dict(ctx.step_tags[step_key]), ctx.dagster_run.run_config or {})
+        run_config = ctx.dagster_run.run_config or {}
+        needs = step_needs(dict(ctx.step_tags[step_key]), run_config)
         if needs is not None:
-            check_fits(needs, self.inventory)  # never waits forever: a step that cannot fit fails now
+            try:  # never waits forever: a step that cannot fit fails now, before any model loads
+                check_fits(needs, self.inventory)
+            except ValueError as e:
+                asked = " (training.devices)" if needs.devices == _training_devices(run_config) > 1 else ""
+                raise ValueError(f"step {step_key}{asked}: {e}") from None
         spec = None if needs is None else {"devices": needs.devices, "memory_gb": needs.memory_gb,
                                            "sharing": needs.sharing, "timeout_s": self.timeout_s,
                                            "poll_s": self.poll_s}
+        if is_ranked(needs, run_config):
+            spec.update(ranked=True, rank_dir=str(rank_dir_for(self.ledger_path, run_id, step_key)))
         # the inventory as detected here: a step that detected its own would start CUDA before its lease
         lease_args = (self.ledger_path, json.dumps(self.inventory.to_config()), json.dumps(spec), run_id, step_key)
         args = ctx.execute_step_args
@@ -97,6 +125,10 @@ class DeviceStepHandler(StepHandler):
             return CheckStepHealthResult.healthy()
         if proc.returncode == NEVER_FITS_EXIT:
             return CheckStepHealthResult.unhealthy("its devices could not be granted (see the step's stderr)")
+        if proc.returncode == RANK_FAILED_EXIT:
+            run_id, step_key = self._key(ctx)
+            reason = failure_reason(rank_dir_for(self.ledger_path, run_id, step_key)) or "see the step's stderr"
+            return CheckStepHealthResult.unhealthy(f"a rank of its torchrun failed: {reason}")
         return CheckStepHealthResult.unhealthy(f"the step process exited with code {proc.returncode}")
 
     def terminate_step(self, ctx: StepHandlerContext) -> Iterator[DagsterEvent]:

@@ -1,7 +1,7 @@
 """One full-parameter RL iteration on every rank of a ranked step (`scheduler.ranks.run`'s target).
 
-`full_iteration` builds the experiment (DeepSpeed ZeRO as `training.deepspeed` says), resumes a
-checkpoint if given, samples the iteration's rollout split across the ranks and gathered
+`full_iteration` builds the experiment (DeepSpeed ZeRO as `training.deepspeed` says), warm-starts it
+(`sft.steps`) or resumes a checkpoint if given, samples the iteration's rollout split across the ranks and gathered
 (`Experiment._split_rollout`), takes the training step on the whole batch and saves (rank 0
 writes). With one process (no torchrun) it is the same iteration on one rank.
 """
@@ -25,6 +25,8 @@ def full_iteration(payload: dict[str, Any]) -> dict[str, Any]:
     if cfg.training.deepspeed.stage == 0:
         raise ValueError("a ranked full-parameter step needs training.deepspeed.stage 2 or 3, got 0")
     exp = Experiment(cfg)
+    if cfg.sft.steps and not payload.get("resume"):  # every rank warm-starts alike (same seed, same data)
+        exp.sft()
     exp.start_rl()
     if payload.get("resume"):
         exp.resume(payload["resume"])

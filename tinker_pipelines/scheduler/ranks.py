@@ -45,6 +45,8 @@ TASK_FILE, RELEASED_FILE, FAILURE_FILE = "task.json", "released", "failure"
 RANK_FAILED_EXIT = 4
 """The launcher's exit code when a rank failed (its reason is in `FAILURE_FILE`)."""
 POLL_S = 0.05
+FOLLOWER_ERROR_WAIT_S = 2.0
+"""How long rank 0, whose call failed, looks for a follower's error line to report instead."""
 
 
 def rank_dir_for(ledger_path: str, run_id: str, step_key: str) -> Path:
@@ -134,7 +136,22 @@ def run(target: str, payload: dict[str, Any]) -> Any:
         tmp = Path(directory) / (TASK_FILE + ".tmp")
         tmp.write_text(json.dumps({"target": target, "payload": payload}))
         tmp.replace(Path(directory) / TASK_FILE)
+        try:
+            return _resolve(target)(payload)
+        except Exception as e:
+            # a follower's failure reaches rank 0 as a broken collective: name the rank that failed
+            reason = _wait_for_failure(Path(directory), FOLLOWER_ERROR_WAIT_S)
+            if reason is None:
+                raise
+            raise RuntimeError(reason) from e
     return _resolve(target)(payload)
+
+
+def _wait_for_failure(rank_dir: Path, wait_s: float) -> str | None:
+    deadline = time.monotonic() + wait_s
+    while (reason := _first_failure(rank_dir)) is None and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    return reason
 
 
 def follow(rank_dir: Path) -> None:

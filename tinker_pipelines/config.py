@@ -166,6 +166,9 @@ class TrainingConfig(SamplingSettings):
     gradient, a fraction of the activation memory, ~1.3x the training compute)."""
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     """ZeRO stage 2 or 3 for full-parameter training under torchrun (stage 0: off)."""
+    devices: int = 1
+    """Devices a full-parameter step leases under the GPU-aware executor, one `torchrun` rank on each
+    (> 1 needs training.deepspeed.stage 2 or 3); each rank samples its share of the rollouts."""
 
 
 @dataclass(frozen=True)
@@ -264,6 +267,9 @@ class Config:
                  "needs training.deepspeed.stage 2 or 3", ds.offload_optimizer)
         _require("stage" not in ds.zero_overrides, "training.deepspeed.zero_overrides",
                  "must not set stage (use training.deepspeed.stage)", ds.zero_overrides)
+        _require(not isinstance(t.devices, bool) and t.devices >= 1, "training.devices", "must be >= 1", t.devices)
+        _require(t.devices == 1 or ds.stage in (2, 3), "training.devices",
+                 "> 1 needs training.deepspeed.stage 2 or 3 (one ZeRO rank per device)", t.devices)
         _require(self.sft.steps >= 0, "sft.steps", "must be >= 0", self.sft.steps)
         _require(self.eval.every >= 1, "eval.every", "must be >= 1", self.eval.every)
         _require(self.eval.num_tasks >= 1, "eval.num_tasks", "must be >= 1", self.eval.num_tasks)

@@ -110,6 +110,8 @@ class Experiment:
         self._remote: RemoteLearner | None = None
         """The same learner when it is an adapter on a worker (parking)."""
         self.iteration = 0
+        self.rollout_share: dict[str, int] | None = None
+        """Under DeepSpeed, what this rank sampled of the last rollout (`_split_rollout`)."""
         a = cfg.algorithm
         normalization = self.algorithm.normalization or a.normalization or "sequence"
         self.loss_cfg = LossConfig(a.clip_eps, a.kl_coef, a.kl_estimator, normalization, gamma=a.gamma,
@@ -259,13 +261,34 @@ class Experiment:
         t = self.cfg.training
         task_rng = random.Random(derived_seed(self.cfg.seed, "tasks", iteration))
         seeds = [task_rng.randrange(EVAL_SEED_OFFSET) for _ in range(t.groups_per_batch)]
-        gen = torch.Generator().manual_seed(derived_seed(self.cfg.seed, "sample", iteration))
         start = time.perf_counter()
-        groups = run_groups(self.sampler(), self.tokenizer, self.env_spec, seeds, t.group_size,
-                            self.rollout_cfg, gen)
+        if t.deepspeed.stage > 0:  # ranks of one batch: each samples its share of the groups
+            groups = self._split_rollout(seeds, iteration)
+        else:
+            gen = torch.Generator().manual_seed(derived_seed(self.cfg.seed, "sample", iteration))
+            groups = run_groups(self.sampler(), self.tokenizer, self.env_spec, seeds, t.group_size,
+                                self.rollout_cfg, gen)
         metrics = summarize_groups(groups)
         metrics["time/rollout_s"] = time.perf_counter() - start
         return RolloutStats(groups, metrics)
+
+    def _split_rollout(self, seeds: list[int], iteration: int) -> list[TrajectoryGroup]:
+        """Under DeepSpeed: rank r samples a contiguous share of the groups (`rank_share`), each group
+        with a generator of its own seeded by the seed, the iteration and the group's index (never
+        the rank), then every rank gathers all of them in group order. So the gathered batch is the
+        one a single rank samples with the same seed, and sampling scales with the ranks."""
+        if self.learner is None:
+            self.start_rl()  # joins the process group
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        lo, hi = rank_share(len(seeds), rank, world)
+        gens = [torch.Generator().manual_seed(derived_seed(self.cfg.seed, "sample", iteration, g)) for g in range(lo, hi)]
+        mine = run_groups(self.sampler(), self.tokenizer, self.env_spec, seeds[lo:hi], self.cfg.training.group_size,
+                          self.rollout_cfg, gens) if gens else []
+        gathered: list[list[TrajectoryGroup]] = [[] for _ in range(world)]
+        torch.distributed.all_gather_object(gathered, mine)
+        self.rollout_share = {"rank": rank, "world": world, "groups": hi - lo,
+                              "rows": sum(len(g.trajectories) for g in mine)}
+        return [g for part in gathered for g in part]
 
     def score(self, groups: list[TrajectoryGroup]) -> list[Datum]:
         """Training datums with advantages: the algorithm's group estimator (groups with uniform
@@ -368,6 +391,17 @@ class Experiment:
         check_same_base(record, self.sft_record, path)
         self.iteration = int(record["iteration"])
         return record
+
+
+def rank_share(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank `rank`'s contiguous share [lo, hi) of `n` items over `world` ranks (sizes differ by at most one).
+
+    >>> [rank_share(5, r, 2) for r in (0, 1)], rank_share(1, 1, 2)
+    ([(0, 3), (3, 5)], (1, 1))
+    """
+    base, extra = divmod(n, world)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (rank < extra)
 
 
 def state_tag(iteration: int, checkpoint_hash: str) -> str:

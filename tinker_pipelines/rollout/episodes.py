@@ -14,7 +14,8 @@ from transformers import PreTrainedTokenizerBase
 
 from tinker_pipelines.envs.base import Env, EnvSpec, checked_reset, checked_step
 from tinker_pipelines.models import render_chat
-from tinker_pipelines.rollout.sampler import ContextOverflowError, Sampler, completion_text
+from tinker_pipelines.rollout.lean_decoder import LeanDecoder
+from tinker_pipelines.rollout.sampler import BASE, ContextOverflowError, SampleRequest, Sampler, completion_text
 from tinker_pipelines.rollout.settings import SamplingSettings
 from tinker_pipelines.types import Message, Trajectory, TrajectoryGroup, Turn
 
@@ -63,13 +64,19 @@ def env_reply_tokens(tokenizer: PreTrainedTokenizerBase, messages: list[Message]
 
 def run_episodes(sampler: Sampler, tokenizer: PreTrainedTokenizerBase, envs: list[Env],
                  seeds: list[int], cfg: RolloutConfig,
-                 generator: torch.Generator | None = None) -> list[Trajectory]:
-    """Play one episode per env (reset with the matching seed), all batched together."""
+                 generator: torch.Generator | list[torch.Generator] | None = None) -> list[Trajectory]:
+    """Play one episode per env (reset with the matching seed), all batched together. `generator`
+    may be a list, one per episode: episodes sharing one are a request of their own
+    (`Sampler.sample_requests`), so their samples do not depend on the other episodes of the batch."""
+    per_episode = isinstance(generator, list)
+    if per_episode and len(generator) != len(envs):
+        raise ValueError(f"{len(generator)} generators for {len(envs)} episodes")
     episodes = []
     for env, seed in zip(envs, seeds, strict=True):
         messages = list(checked_reset(env, seed))
         context = tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)
         episodes.append(_Episode(env, env.task_id or str(seed), messages, context))
+    gen_of = {id(e): g for e, g in zip(episodes, generator)} if per_episode else {}
     stop_ids = set(sampler.stop_token_ids)
     while live := [e for e in episodes if e.stop_reason is None]:
         if sampler.max_context is not None:
@@ -85,8 +92,11 @@ def run_episodes(sampler: Sampler, tokenizer: PreTrainedTokenizerBase, envs: lis
             live = [e for e in live if e.stop_reason is None]
             if not live:
                 break
-        samples = sampler.sample([e.context for e in live], cfg.max_new_tokens, cfg.temperature, generator,
-                                 **cfg.sampling_kwargs())
+        if per_episode:
+            live, samples = _sample_per_generator(sampler, live, [gen_of[id(e)] for e in live], cfg)
+        else:
+            samples = sampler.sample([e.context for e in live], cfg.max_new_tokens, cfg.temperature, generator,
+                                     **cfg.sampling_kwargs())
         for e, s in zip(live, samples):
             action = completion_text(tokenizer, s, stop_ids)
             result = checked_step(e.env, action)
@@ -103,11 +113,34 @@ def run_episodes(sampler: Sampler, tokenizer: PreTrainedTokenizerBase, envs: lis
     return [Trajectory(tuple(e.turns), 0.0, e.task_id, e.stop_reason or "done", e.info) for e in episodes]
 
 
+def _sample_per_generator(sampler: Sampler, live: list[_Episode], gens: list[torch.Generator],
+                          cfg: RolloutConfig) -> tuple[list[_Episode], list]:
+    """One batched call, one request per generator (in order of first use); returns the episodes in
+    the order of their samples. A model without adapters decodes through the base-only decoder
+    (`SampleRequest.adapter = BASE`), batch-invariant on CPU: a row's tokens and logprobs are the
+    same whichever rows share its batch (the plain decoder's logprobs moved by ~5e-7 on the tiny model)."""
+    order: dict[int, list[int]] = {}
+    for i, g in enumerate(gens):
+        order.setdefault(id(g), []).append(i)
+    model = getattr(sampler, "model", None)
+    plain = model is not None and not hasattr(model, "peft_config") and LeanDecoder.supports(model)
+    requests = [SampleRequest([live[i].context for i in rows], cfg.max_new_tokens, cfg.temperature, gens[rows[0]],
+                              BASE if plain else None, **cfg.sampling_kwargs()) for rows in order.values()]
+    results = sampler.sample_requests(requests)
+    return [live[i] for rows in order.values() for i in rows], [s for res in results for s in res]
+
+
 def run_groups(sampler: Sampler, tokenizer: PreTrainedTokenizerBase, env_spec: EnvSpec,
                task_seeds: list[int], group_size: int, cfg: RolloutConfig,
-               generator: torch.Generator | None = None) -> list[TrajectoryGroup]:
-    """`group_size` episodes of each task seed, all sampled in one batch."""
+               generator: torch.Generator | list[torch.Generator] | None = None) -> list[TrajectoryGroup]:
+    """`group_size` episodes of each task seed, all sampled in one batch. `generator` may be a
+    list, one per task: then a group's episodes depend only on its task and its generator, not on
+    which other groups share the batch (`split_rollouts` decodes a share of the groups per rank)."""
     seeds = [s for s in task_seeds for _ in range(group_size)]
+    if isinstance(generator, list):
+        if len(generator) != len(task_seeds):
+            raise ValueError(f"{len(generator)} generators for {len(task_seeds)} tasks")
+        generator = [g for g in generator for _ in range(group_size)]
     trajectories = run_episodes(sampler, tokenizer, [env_spec.build() for _ in seeds], seeds, cfg, generator)
     return [TrajectoryGroup(tuple(trajectories[i:i + group_size]))
             for i in range(0, len(trajectories), group_size)]

@@ -14,6 +14,9 @@ A LoRA step tagged `tinker/memory_gb: auto` (the assets' `LORA_STEP_TAGS`) reser
 run's model and batch need (`plan_step`, `scheduler.estimate`), and names its base so that
 placement can spread bases over idle devices; a step whose estimate exceeds every device fails
 at once, saying the estimate's parts.
+Its `training.devices: k` raises the step's `tinker/devices` to k, and a full-parameter step on
+k > 1 devices is launched as `torchrun` with one rank per leased device (`ranks`): the step
+process holds the lease while its ranks run, and a failed rank fails the step with its one line.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from tinker_pipelines.config import Config, config_from_dict
 from tinker_pipelines.models import model_config
 from tinker_pipelines.scheduler.estimate import PROMPT_TOKENS, Batch, MemoryEstimate, ModelShape, estimate_memory
 from tinker_pipelines.scheduler.placement import AUTO, TAG_PREFIX, StepNeeds, check_fits, needs_from_tags
+from tinker_pipelines.scheduler.ranks import RANK_FAILED_EXIT, failure_reason, rank_dir_for
 from tinker_pipelines.scheduler.step_entry import NEVER_FITS_EXIT
 from tinker_pipelines.scheduler.step_launch import LAUNCHES, StepProcess, code_location, launch
 
@@ -47,7 +51,8 @@ few-second RL iteration's three step hand-offs."""
 
 
 def step_needs(tags: dict[str, str], run_config: dict[str, Any], step_key: str | None = None) -> StepNeeds | None:
-    """The step's needs from its op tags, made exclusive when the run trains every parameter."""
+    """The step's needs from its op tags, made exclusive when the run trains every parameter, on
+    as many devices as the run config's `training.devices` asks (when more than the tags)."""
     return plan_step(tags, run_config, step_key)[0]
 
 
@@ -65,8 +70,8 @@ def plan_step(tags: dict[str, str], run_config: dict[str, Any],
             cfg = config_from_dict(section)
             estimate, base = config_estimate(cfg), _base_key(cfg)
     needs = needs_from_tags(tags, auto_memory_gb=None if estimate is None else round(estimate.total_gb, 3))
-    if needs is not None and needs.sharing == "lora" and full:
-        return StepNeeds(needs.devices, needs.memory_gb, "exclusive"), None
+    if needs is not None and full:
+        return StepNeeds(max(needs.devices, _training_devices(run_config)), needs.memory_gb, "exclusive"), None
     if needs is not None and estimate is not None and needs.sharing == "lora":
         resident = config_estimate(cfg, base_resident=True).total_gb
         needs = replace(needs, base=base, resident_gb=min(needs.memory_gb, round(resident, 3)))
@@ -106,6 +111,22 @@ def _experiment_section(run_config: Any, step_key: str | None) -> dict[str, Any]
     return None
 
 
+def is_ranked(needs: StepNeeds | None, run_config: dict[str, Any]) -> bool:
+    """A full-parameter step on several devices runs as `torchrun`, one rank per device (`ranks`)."""
+    return needs is not None and needs.devices > 1 and _trains_all_parameters(run_config)
+
+
+def _training_devices(config: Any) -> int:
+    """The largest `training.devices` of the run config (1 when none is set)."""
+    if not isinstance(config, dict):
+        return 1
+    training = config.get("training")
+    own = training.get("devices", 1) if isinstance(training, dict) else 1
+    if isinstance(own, bool) or not isinstance(own, int) or own < 1:
+        raise ValueError(f"training.devices must be a positive integer, got {own!r}")
+    return max([own, *(_training_devices(v) for v in config.values())])
+
+
 def _trains_all_parameters(config: Any) -> bool:
     """Whether any `training` section of the run config has `mode: full`."""
     if isinstance(config, dict):
@@ -136,13 +157,20 @@ class DeviceStepHandler(StepHandler):
 
     def launch_step(self, ctx: StepHandlerContext) -> Iterator[DagsterEvent]:
         run_id, step_key = self._key(ctx)
-        needs, estimate = plan_step(dict(ctx.step_tags[step_key]), ctx.dagster_run.run_config or {}, step_key)
+        run_config = ctx.dagster_run.run_config or {}
+        needs, estimate = plan_step(dict(ctx.step_tags[step_key]), run_config, step_key)
         if needs is not None:
-            check_fits(needs, self.inventory, estimate)  # never waits forever: a step that cannot fit fails now
+            try:  # never waits forever: a step that cannot fit fails now, before any model loads
+                check_fits(needs, self.inventory, estimate)
+            except ValueError as e:
+                asked = " (training.devices)" if needs.devices == _training_devices(run_config) > 1 else ""
+                raise ValueError(f"step {step_key}{asked}: {e}") from None
         spec = None if needs is None else {"devices": needs.devices, "memory_gb": needs.memory_gb,
                                            "sharing": needs.sharing, "base": needs.base,
                                            "resident_gb": needs.resident_gb, "timeout_s": self.timeout_s,
                                            "poll_s": self.poll_s}
+        if is_ranked(needs, run_config):
+            spec.update(ranked=True, rank_dir=str(rank_dir_for(self.ledger_path, run_id, step_key)))
         # the inventory as detected here: a step that detected its own would start CUDA before its lease
         lease_args = (self.ledger_path, json.dumps(self.inventory.to_config()), json.dumps(spec), run_id, step_key)
         args = ctx.execute_step_args
@@ -158,6 +186,10 @@ class DeviceStepHandler(StepHandler):
             return CheckStepHealthResult.healthy()
         if proc.returncode == NEVER_FITS_EXIT:
             return CheckStepHealthResult.unhealthy("its devices could not be granted (see the step's stderr)")
+        if proc.returncode == RANK_FAILED_EXIT:
+            run_id, step_key = self._key(ctx)
+            reason = failure_reason(rank_dir_for(self.ledger_path, run_id, step_key)) or "see the step's stderr"
+            return CheckStepHealthResult.unhealthy(f"a rank of its torchrun failed: {reason}")
         return CheckStepHealthResult.unhealthy(f"the step process exited with code {proc.returncode}")
 
     def terminate_step(self, ctx: StepHandlerContext) -> Iterator[DagsterEvent]:

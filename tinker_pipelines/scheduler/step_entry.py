@@ -19,6 +19,10 @@ A resident worker that a step starts inherits the step's lease variables (`TINKE
 (`hold_worker_lease`, sharing 'lora'), which lives as long as the worker: an exclusive step is
 never placed on a GPU a worker holds memory on.
 
+A ranked step (NEEDS_JSON has `ranked`: a full-parameter step on k > 1 devices) is not replaced by
+its command: this process holds the lease and runs `torchrun` with one rank per leased device
+(`ranks.launch_ranks`), exit code `ranks.RANK_FAILED_EXIT` when a rank failed.
+
 Arguments: LEDGER_PATH INVENTORY_JSON NEEDS_JSON RUN_ID STEP_KEY -- COMMAND...
 Exit code 3 (before the step starts) when the request can never fit or times out.
 """
@@ -35,6 +39,7 @@ from typing import Any
 from tinker_pipelines.scheduler.inventory import VISIBLE_ENV, Inventory, lease_visible_devices
 from tinker_pipelines.scheduler.ledger import Lease, Ledger, LeaseOwner
 from tinker_pipelines.scheduler.placement import StepNeeds
+from tinker_pipelines.scheduler.ranks import RANK_VISIBLE_ENV, launch_ranks
 
 NEVER_FITS_EXIT = 3
 STEP_PROCESS_ENV = "TINKER_STEP_PROCESS"
@@ -89,6 +94,8 @@ def lease_environment(ledger_path: str, inventory_json: str, needs_json: str, ru
     visible = lease_visible_devices(inventory, lease.devices)
     if visible is not None:
         env[VISIBLE_ENV] = visible
+        if spec.get("ranked"):  # one entry per leased device, in the lease's order: rank r's own GPU
+            env[RANK_VISIBLE_ENV] = json.dumps(visible.split(","))
     return env
 
 
@@ -157,6 +164,9 @@ def main(argv: list[str]) -> int:
         print(f"error: step {step_key} of run {run_id}: {e}", file=sys.stderr, flush=True)
         return NEVER_FITS_EXIT
     sys.stdout.flush()
+    spec = json.loads(needs_json)
+    if spec is not None and spec.get("ranked"):  # this process keeps the lease while torchrun runs
+        return launch_ranks(env, command, Path(spec["rank_dir"]), f"{step_key} of run {run_id}")
     os.execvpe(command[0], command, env)
     return 0  # not reached
 

@@ -150,6 +150,9 @@ def launch(how: str, lease_args: tuple[str, str, str, str, str], command: list[s
                                  *command], start_new_session=True)
     if how != "forkserver":
         raise ValueError(f"gpu_executor.step_launch must be one of {', '.join(LAUNCHES)}, got {how!r}")
+    spec = json.loads(lease_args[2])
+    if spec is not None and spec.get("ranked"):  # the forked step holds the lease while torchrun runs
+        return fork_leased(lease_args, _run_ranked_step, (command, spec["rank_dir"], lease_args[4], lease_args[3]))
     return fork_leased(lease_args, _run_dagster_step, (command,), location)
 
 
@@ -184,6 +187,14 @@ def _forked_step(lease_args: tuple[str, str, str, str, str], target: Any, args: 
         print(f"error: step {lease_args[4]} of run {lease_args[3]}: {e}", file=sys.stderr, flush=True)
         sys.exit(NEVER_FITS_EXIT)
     target(*args)
+
+
+def _run_ranked_step(command: list[str], rank_dir: str, step_key: str, run_id: str) -> None:
+    from pathlib import Path
+
+    from tinker_pipelines.scheduler.ranks import launch_ranks
+
+    sys.exit(launch_ranks(dict(os.environ), command, Path(rank_dir), f"{step_key} of run {run_id}"))
 
 
 def _run_dagster_step(command: list[str]) -> None:

@@ -219,3 +219,14 @@ def test_a_second_service_claiming_a_device_is_refused_before_any_model_loads(no
                                  f"(pid {os.getpid()}, home {handle.service.home.absolute()}"), run.stderr
     assert not list((tmp_path / "home").rglob("*.log")), "a worker was started"
     assert time.monotonic() - started < 60
+
+
+def test_the_benchmark_part_reports_both_goals_on_a_small_node(tmp_path):
+    from benchmarks.node_tinker import measure
+
+    out = measure(devices=2, clients=4, work=tmp_path)
+    assert out["tinker_workers"] == 4 and out["tinker_devices"] == 2
+    assert out["tinker_clients_per_worker"] and set(out["tinker_clients_per_worker"].values()) == {1}
+    assert out["tinker_sessions_spread"] is True
+    assert out["killed_worker_clients"] == 1 and out["other_clients_ok"] == 3
+    assert out["worker_death_isolated"] is True, out

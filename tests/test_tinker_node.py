@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 import tinker
 from tinker import types
@@ -147,8 +146,8 @@ def test_a_killed_worker_fails_only_its_own_sessions_and_they_resume_from_their_
     handle, other, _ = node
     clients = [_client(handle) for _ in range(4)]
     try:
-        tcs = [sc.create_lora_training_client(b, rank=4, seed=2) for sc, b in zip(clients, ["tiny", "tiny", other, other])]
-        tcs = [f.result() for f in tcs]
+        bases = ["tiny", "tiny", other, other]
+        tcs = [f.result() for f in [sc.create_lora_training_client(b, rank=4, seed=2) for sc, b in zip(clients, bases)]]
         assert len({_worker(handle, tc) for tc in tcs}) == 4
         paths, before = [], []
         for i, tc in enumerate(tcs):
@@ -201,7 +200,8 @@ def _serve(*args: str, home: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--model", "tiny", "--devices", "0,2"], "--devices '0,2': the inventory has no device 2 (it has 0: sim0, 1: sim1)"),
+    (["--model", "tiny", "--devices", "0,2"],
+     "--devices '0,2': the inventory has no device 2 (it has 0: sim0, 1: sim1)"),
     (["--model", "tiny", "--model", "tiny", "--devices", "0"], "--model tiny is given twice: give each base once"),
 ])
 def test_bad_device_sets_and_bases_are_one_line_errors(tmp_path, args, says):

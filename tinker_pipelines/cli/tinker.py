@@ -1,4 +1,5 @@
-"""`tinker-pipelines tinker serve`: Tinker's API (and the OpenAI endpoint) over a resident worker.
+"""`tinker-pipelines tinker serve`: Tinker's API (and the OpenAI endpoint) over resident workers:
+one for one base, or one per base (`--model A --model B`) and device (`--devices`).
 
 Every fault before it serves is one line `error: ...`."""
 
@@ -13,8 +14,10 @@ from pathlib import Path
 def add_parser(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("tinker", help="Tinker's API for the tinker SDK and tinker-cookbook, on our own worker")
     tsub = t.add_subparsers(dest="tinker_command", required=True)
-    s = tsub.add_parser("serve", help="serve /api/v1 (Tinker) and /v1 (OpenAI) over one resident worker")
-    s.add_argument("--model", required=True, help="the base: catalog name or model directory (clients name it so)")
+    s = tsub.add_parser("serve", help="serve /api/v1 (Tinker) and /v1 (OpenAI) over resident workers")
+    s.add_argument("--model", required=True, action="append",
+                   help="a base: catalog name or model directory (clients name it so); repeat for several bases "
+                        "(the first is the default, and the one the OpenAI endpoint serves)")
     s.add_argument("--home", default=".tinker/service",
                    help="where checkpoints (tinker://...), run metadata and the worker's socket live")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (non-loopback needs --api-key-env)")
@@ -29,6 +32,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--min-ttl-s", type=int, default=3600,
                    help="the shortest ttl_seconds a save or set_checkpoint_ttl accepts (hosted Tinker's: 3600)")
     s.add_argument("--device", default="auto", help="the worker's device: auto, cpu, cuda or cuda:N")
+    s.add_argument("--devices", default="",
+                   help="serve over these devices of the inventory: indices (0,1,2,3) or 'all'; one worker per base "
+                        "on each, every new training client on the least-loaded worker of its base, and each "
+                        "device claimed by this service alone")
+    s.add_argument("--inventory", default="",
+                   help="a simulated inventory for --devices (JSON or a JSON file, as the executor's "
+                        "scheduler.inventory: {\"count\": 4, \"memory_gb\": 80}); default: the GPUs NVML lists "
+                        "(the CPU when there are none)")
     s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16")
     s.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body accepted")
     s.add_argument("--gap-timeout-s", type=float, default=60.0,
@@ -86,13 +97,20 @@ def _settings(args: argparse.Namespace):
     from tinker_pipelines.models import check_model_name
 
     with flags_named():
-        check_model_name(args.model)
+        for model in args.model:
+            check_model_name(model)
+    from tinker_pipelines.serving.tinker.launch import check_bases
+
+    check_bases(args.model)
+    if args.device != "auto" and (args.devices or args.inventory):
+        raise ValueError(f"--device {args.device} and --devices: give one of them (--devices places the workers)")
     return TinkerSettings(api_key=key, keys=keys, max_body_bytes=int(args.max_body_mb * 1024 * 1024))
 
 
 def cmd_tinker_serve(args: argparse.Namespace) -> int:
     try:
         settings = _settings(args)
+        devices = _devices(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -112,7 +130,8 @@ def cmd_tinker_serve(args: argparse.Namespace) -> int:
             tracker = _tracker(args)
         handle = start_service(args.model, args.port, Path(args.home), settings.api_key, args.host, args.device,
                                args.dtype, tracker=tracker, gap_timeout_s=args.gap_timeout_s, settings=settings,
-                               lease=_lease(args), max_lora_rank=args.max_lora_rank, min_ttl_s=args.min_ttl_s,
+                               lease=None if devices else _lease(args), devices=devices,
+                               max_lora_rank=args.max_lora_rank, min_ttl_s=args.min_ttl_s,
                                **({} if args.pass_tokens is None else {"pass_tokens": args.pass_tokens}),
                                **({} if args.worker_timeout_s is None else {"worker_timeout_s": args.worker_timeout_s}))
     except (ValueError, WorkerError, RuntimeError, OSError) as e:
@@ -120,6 +139,9 @@ def cmd_tinker_serve(args: argparse.Namespace) -> int:
         return 1
     print(f"tinker service on {handle.url} (base_url for the tinker SDK; OpenAI at {handle.openai_url}), "
           f"worker pid {handle.worker_pid}, home {args.home}", flush=True)
+    if len(handle.workers) > 1:
+        for slot in handle.workers:
+            print(f"worker {slot.label}: pid {slot.supervisor.proc.pid}, socket {slot.address}", flush=True)
     try:
         while handle._thread.is_alive() and not stop.is_set():
             handle._thread.join(timeout=0.5)  # wakes up for the signal handler
@@ -130,14 +152,35 @@ def cmd_tinker_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ledger_path(args: argparse.Namespace) -> str:
+    from tinker_pipelines.scheduler.ledger import LEDGER_FILE
+
+    return args.ledger or (str(Path(os.environ["DAGSTER_HOME"]) / LEDGER_FILE) if os.environ.get("DAGSTER_HOME")
+                           else "")
+
+
+def _devices(args: argparse.Namespace):
+    """The device set of --devices / --inventory (None: one worker per base on --device), checked
+    against the inventory before anything starts."""
+    if not args.devices and not args.inventory:
+        return None
+    from tinker_pipelines.scheduler.inventory import Inventory, InventoryError
+    from tinker_pipelines.serving.tinker.devices import NodeDevices, load_inventory, parse_devices
+
+    try:
+        inventory = load_inventory(args.inventory) if args.inventory else Inventory.detect()
+    except InventoryError as e:
+        raise ValueError(f"--devices: the GPUs cannot be listed: {e}") from None
+    return NodeDevices(inventory, parse_devices(args.devices or "all", inventory), _ledger_path(args) or None,
+                       args.memory_gb)
+
+
 def _lease(args: argparse.Namespace):
     """The worker's device lease: on the ledger Dagster's executor uses, over the detected GPUs."""
-    from tinker_pipelines.scheduler.ledger import LEDGER_FILE
     from tinker_pipelines.scheduler.inventory import Inventory
     from tinker_pipelines.serving.tinker.launch import DeviceLease
 
-    ledger = args.ledger or (str(Path(os.environ["DAGSTER_HOME"]) / LEDGER_FILE) if os.environ.get("DAGSTER_HOME")
-                             else "")
+    ledger = _ledger_path(args)
     if not ledger:
         return None
     inventory = Inventory.detect()

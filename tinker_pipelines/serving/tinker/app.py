@@ -119,10 +119,10 @@ async def telemetry(request: Request) -> Any:
 
 
 async def capabilities(request: Request) -> Any:
-    svc = _svc(request)
+    node = _svc(request).node
     return types.GetServerCapabilitiesResponse(supported_models=[types.SupportedModel(
-        model_name=svc.base_model, max_context_length=svc.runtime.max_context, trainable=True, sampleable=True)]
-    ).model_dump(mode="json")
+        model_name=base, max_context_length=node.info(base).get("max_context"), trainable=True, sampleable=True)
+        for base in node.bases]).model_dump(mode="json")
 
 
 HEALTH_PROBE_S = 2.0
@@ -130,9 +130,9 @@ HEALTH_PROBE_S = 2.0
 
 
 async def healthz(request: Request) -> Any:
-    """200 `{"status": "ok"}` only while the worker answers (`Runtime.health`); else 503 in the
+    """200 `{"status": "ok"}` only while every worker answers (`Node.health`); else 503 in the
     service's error shape with the reason (dead, hung, being restarted)."""
-    problem = await asyncio.to_thread(_svc(request).runtime.health, HEALTH_PROBE_S)
+    problem = await asyncio.to_thread(_svc(request).node.health, HEALTH_PROBE_S)
     if problem is not None:
         return _error(503, problem)
     return {"status": "ok"}

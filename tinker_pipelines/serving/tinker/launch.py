@@ -1,5 +1,6 @@
-"""Starting the Tinker service: a resident worker for the base, and one HTTP process that
-serves Tinker's `/api/v1` and the OpenAI `/v1` from it.
+"""Starting the Tinker service: a resident worker for the base (or one per base and device of a
+device set, `devices.NodeDevices`), and one HTTP process that serves Tinker's `/api/v1` and the
+OpenAI `/v1` from them (the OpenAI endpoint from the first base's first worker).
 
 In this process (`start_service`, a thread: tests, notebooks, benchmarks) or as
 `tinker-pipelines tinker serve` (the CLI). Without an API key the service accepts any key, so
@@ -17,12 +18,15 @@ import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tinker_pipelines.serving.launch import DEFAULT_HOST, build_server, serving_env
 from tinker_pipelines.serving.tinker.app import TinkerSettings, add_tinker_routes
+from tinker_pipelines.serving.tinker.devices import NodeDevices, claim_devices
+from tinker_pipelines.serving.tinker.node import Node, NodeWorker
 from tinker_pipelines.serving.tinker.runtime import WORKER_TIMEOUT_S, Runtime
 from tinker_pipelines.serving.tinker.service import Service
 from tinker_pipelines.training.rules import TINKER_PASS_TOKENS
@@ -77,6 +81,26 @@ def take_lease(spec: DeviceLease | None) -> tuple[Any, dict[str, str]]:
 
 
 @dataclass
+class WorkerSlot:
+    """One worker of the service: the base it holds, its device, socket, log and lease."""
+
+    base: str
+    device: int | None
+    """Its device's index in `NodeDevices.inventory` (None: the single worker's `--device`)."""
+    label: str
+    """How messages name it: the base alone for the single worker, else `BASE on device I (NAME)`."""
+    address: Path
+    log: Path
+    pid_file: Path
+    device_arg: str
+    env: dict[str, str] = field(default_factory=dict)
+    lease: Any = None
+    ledger_path: str | None = None
+    supervisor: Any = None
+    runtime: Any = None
+
+
+@dataclass
 class ServiceHandle:
     """A running service: its base URL (the SDK's `base_url`), worker and HTTP server."""
 
@@ -86,11 +110,16 @@ class ServiceHandle:
     _uvicorn: Any
     _thread: threading.Thread
     lease: Any = None
-    """The device lease the worker runs under (None without devices to lease)."""
+    """The device lease the (first) worker runs under (None without devices to lease)."""
     ledger_path: str | None = None
     supervisor: Any = None
     """The `supervisor.WorkerSupervisor` that restarts a dead or hung worker (`worker` is then
-    the one running now)."""
+    the one running now); with several workers, the first one's (each has its own: `workers`)."""
+    workers: list[WorkerSlot] = field(default_factory=list)
+    """Every worker, by base then device (one, for one base without a device set)."""
+    claims: Any = None
+    """The service's exclusive claim on its devices (`devices.Claims`), or None."""
+    _keepers: threading.Event = field(default_factory=threading.Event)
 
     @property
     def worker_pid(self) -> int:
@@ -101,107 +130,238 @@ class ServiceHandle:
         return f"{self.url}/v1"
 
     def stop(self) -> None:
-        if self.supervisor is not None:  # first: a worker stopped below is not one to restart
-            self.supervisor.stop()
+        for slot in self.workers:  # first: a worker stopped below is not one to restart
+            slot.supervisor.stop()
+        if self.supervisor is not None:
             self.worker = self.supervisor.proc
         self._uvicorn.should_exit = True
         self._thread.join(timeout=10)
-        self.service.runtime.close()
-        if self.worker.poll() is None:
-            self.worker.terminate()
-            try:
-                self.worker.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.worker.kill()
-        if self.lease is not None:
-            from tinker_pipelines.scheduler.ledger import Ledger
+        self.service.node.close()
+        _stop_workers([slot.supervisor.proc for slot in self.workers])
+        _release(self.workers, self.claims)
+        self._keepers.set()
 
-            Ledger(self.ledger_path).release(self.lease)
+
+def _stop_workers(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _release(slots: list[WorkerSlot], claims: Any) -> None:
+    from tinker_pipelines.scheduler.ledger import Ledger
+
+    for slot in slots:
+        if slot.lease is not None:
+            Ledger(slot.ledger_path).release(slot.lease)
+            slot.lease = None
+    if claims is not None:
+        claims.release()
 
 
 def build_app(model: str, worker_address: Path, home: Path, settings: TinkerSettings, tracker: Any = None,
               gap_timeout_s: float = 60.0, max_lora_rank: int = 64,
               pass_tokens: int = TINKER_PASS_TOKENS, worker_timeout_s: float | None = WORKER_TIMEOUT_S,
-              supervisor: Any = None, **service_options: Any) -> tuple[Any, Service]:
+              supervisor: Any = None, node: Node | None = None, **service_options: Any) -> tuple[Any, Service]:
     """The app: the OpenAI endpoint over the worker, with Tinker's routes added (`service_options`:
     more of `Service`'s settings, e.g. `min_ttl_s`, `session_ttl_s`). Each worker call is bounded
     by `worker_timeout_s`; `supervisor` (a `WorkerSupervisor`) replaces a dead or hung worker. The
-    tracker's calls are retried and never fail a call whose work was done (`ResilientTracker`)."""
+    tracker's calls are retried and never fail a call whose work was done (`ResilientTracker`).
+    With `node` (several workers), Tinker's routes serve all of them and the OpenAI endpoint
+    serves `model` from its worker at `worker_address`."""
     from tinker_pipelines.serving.app import build_app as build_openai_app
     from tinker_pipelines.serving.tinker.lineage import ResilientTracker
 
-    runtime = Runtime(worker_address, pass_tokens=pass_tokens, timeout_s=worker_timeout_s, supervisor=supervisor)
+    if node is None:
+        node = Node.single(Runtime(worker_address, pass_tokens=pass_tokens, timeout_s=worker_timeout_s,
+                                   supervisor=supervisor), model, base_aliases(model))
     tracker = None if tracker is None else ResilientTracker.around(tracker)
-    service = Service(runtime, model, home, tracker=tracker, gap_timeout_s=gap_timeout_s,
-                      base_aliases=base_aliases(model), max_lora_rank=max_lora_rank, **service_options)
+    service = Service(node, model, home, tracker=tracker, gap_timeout_s=gap_timeout_s,
+                      max_lora_rank=max_lora_rank, **service_options)
     server = build_server(model=model, worker=str(worker_address), use_registry=tracker is not None)
     if supervisor is not None:  # the OpenAI endpoint's own connections to the worker, made again
         supervisor.listeners.append(lambda generation: server.backend.reconnect())
     return add_tinker_routes(build_openai_app(server), service, settings), service
 
 
-def start_service(model: str, port: int = 0, home: Path | None = None, api_key: str | None = None,
+def check_bases(models: list[str]) -> None:
+    """Refuse a base given twice (also as two names of one model directory)."""
+    seen: dict[str, str] = {}
+    for m in models:
+        for name in (m, *base_aliases(m)[:1]):
+            if name in seen:
+                same = "" if seen[name] == m else f" (as {seen[name]!r})"
+                raise ValueError(f"--model {m} is given twice{same}: give each base once")
+        for name in (m, *base_aliases(m)[:1]):
+            seen[name] = m
+
+
+def plan_workers(models: list[str], home: Path, device: str, devices: NodeDevices | None) -> list[WorkerSlot]:
+    """One worker per base and device, by base then device. One base without a device set: the
+    single worker of today, at `home/worker.sock`."""
+    if len(models) == 1 and devices is None:
+        return [WorkerSlot(models[0], None, models[0], home / "worker.sock", home / "worker.log", home / "worker.pid",
+                           device)]
+    (home / "workers").mkdir(parents=True, exist_ok=True)
+    slots = []
+    for b, base in enumerate(models):
+        for d in (devices.devices if devices is not None else (None,)):
+            name = f"b{b}" if d is None else f"b{b}-d{d}"
+            folder = home / "workers"
+            slots.append(WorkerSlot(base, d, base if d is None else f"{base} on {devices.label(d)}",
+                                    folder / f"{name}.sock", folder / f"{name}.log", folder / f"{name}.pid",
+                                    device if d is None else devices.worker_device(d),
+                                    {} if d is None else devices.worker_env(d)))
+    return slots
+
+
+def _lease_slot(slot: WorkerSlot, lease: DeviceLease | None, devices: NodeDevices | None) -> None:
+    """Take the worker's lease: on its own device of a device set, else as the single worker always did."""
+    if devices is None or slot.device is None:
+        slot.lease, env = take_lease(lease)
+        slot.ledger_path = lease.ledger_path if lease is not None else None
+        slot.env = {**slot.env, **env}
+        return
+    if not devices.ledger_path:
+        return
+    from tinker_pipelines.scheduler.ledger import Ledger, LeaseOwner
+    from tinker_pipelines.scheduler.placement import StepNeeds
+
+    slot.lease = Ledger(devices.ledger_path).acquire(
+        LeaseOwner.current(step_key=f"tinker-service: {slot.label}"), StepNeeds(1, devices.memory_gb, "lora"),
+        devices.inventory, timeout_s=devices.timeout_s, poll_s=0.5, only=(slot.device,))
+    slot.ledger_path = devices.ledger_path
+
+
+def _starter(slot: WorkerSlot, dtype: str, extra: list[str]):
+    from tinker_pipelines.worker.client import start_worker
+
+    def start() -> subprocess.Popen:
+        proc = start_worker(slot.base, slot.address, device=slot.device_arg, dtype=dtype, extra=extra, log=slot.log,
+                            env=slot.env, die_with_parent=True)
+        slot.pid_file.write_text(str(proc.pid))
+        return proc
+    return start
+
+
+def _start_all(starters: list, keepers: threading.Event) -> list[subprocess.Popen]:
+    """Start every worker, several at once. A worker dies with the thread that started it (its
+    parent-death signal), so each is started by a thread that lives until the service stops."""
+    if len(starters) == 1:
+        return [starters[0]()]
+    futures: list[Future] = []
+    for i, start in enumerate(starters):
+        fut: Future = Future()
+
+        def keep(start=start, fut=fut) -> None:
+            try:
+                fut.set_result(start())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                fut.set_exception(e)
+                return
+            keepers.wait()
+        threading.Thread(target=keep, name=f"tinker-worker-start-{i}", daemon=True).start()
+        futures.append(fut)
+    wait(futures)
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        _stop_workers([f.result() for f in futures if f.exception() is None])
+        raise failed[0]
+    return [f.result() for f in futures]
+
+
+def start_service(model: str | list[str], port: int = 0, home: Path | None = None, api_key: str | None = None,
                   host: str = DEFAULT_HOST, device: str = "auto", dtype: str = "auto", tracker: Any = None,
                   gap_timeout_s: float = 60.0, worker_args: list[str] | None = None,
                   settings: TinkerSettings | None = None, lease: DeviceLease | None = None,
                   max_lora_rank: int = 64, pass_tokens: int = TINKER_PASS_TOKENS,
-                  worker_timeout_s: float | None = WORKER_TIMEOUT_S, **service_options: Any) -> ServiceHandle:
-    """Start a worker for `model` under a device lease and serve it in a thread of this process.
-    A supervisor restarts the worker, with the same arguments on the same socket, when it dies
-    or hangs (`supervisor.py`); every worker call is bounded by `worker_timeout_s`."""
+                  worker_timeout_s: float | None = WORKER_TIMEOUT_S, devices: NodeDevices | None = None,
+                  **service_options: Any) -> ServiceHandle:
+    """Start the workers for `model` (a base, or several: the first is the default) and serve them
+    in a thread of this process: one worker on `device` under a `lease`, or, with `devices`, one
+    worker per base on each device of the set, which this service claims for itself. A supervisor
+    per worker restarts it, with the same arguments on the same socket, when it dies or hangs
+    (`supervisor.py`); every worker call is bounded by `worker_timeout_s`."""
     import tempfile
-
-    import uvicorn
-
-    from tinker_pipelines.serving.tinker.supervisor import WorkerSupervisor
-    from tinker_pipelines.worker.client import start_worker
 
     settings = settings or TinkerSettings(api_key=api_key)
     keys = settings.accepted()  # a key the SDK would refuse is refused here, before anything starts
     check_host(host, None if keys.open else "set")
+    models = [model] if isinstance(model, str) else list(model)
+    check_bases(models)
     home = Path(home or tempfile.mkdtemp(prefix="tinker-service-"))
     home.mkdir(parents=True, exist_ok=True)
-    address = home / "worker.sock"
-    held, env = take_lease(lease)
+    claims = claim_devices(devices, home) if devices is not None else None
+    slots = plan_workers(models, home, device, devices)
+    keepers = threading.Event()
     extra = ["--max-lora-rank", str(max_lora_rank), *(worker_args or [])]
-
-    def start() -> subprocess.Popen:
-        proc = start_worker(model, address, device=device, dtype=dtype, extra=extra, log=home / "worker.log",
-                            env=env, die_with_parent=True)
-        (home / "worker.pid").write_text(str(proc.pid))
-        return proc
     try:
-        worker = start()
+        for slot in slots:
+            _lease_slot(slot, lease, devices)
+        starters = [_starter(slot, dtype, extra) for slot in slots]
+        procs = _start_all(starters, keepers)
     except BaseException:
-        if held is not None:
-            from tinker_pipelines.scheduler.ledger import Ledger
-
-            Ledger(lease.ledger_path).release(held)
+        _release(slots, claims)
+        keepers.set()
         raise
-    supervisor = WorkerSupervisor(worker, start, address, model, log_path=home / "worker.log")
     try:
-        app, service = build_app(model, address, home, settings, tracker, gap_timeout_s, max_lora_rank, pass_tokens,
-                                 worker_timeout_s, supervisor, **service_options)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        url = f"http://{host}:{sock.getsockname()[1]}"
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-        loop: list[asyncio.AbstractEventLoop] = []
-        thread = threading.Thread(target=_serve, args=(server, sock, loop), daemon=True)
-        thread.start()
-        wait_healthy(url, 60, key=next(iter(keys.by_key), None))
+        handle = _serve_slots(slots, procs, starters, home, host, port, settings, keys, tracker, gap_timeout_s,
+                              max_lora_rank, pass_tokens, worker_timeout_s, service_options)
     except BaseException:
-        worker.kill()
+        _stop_workers(procs)
+        _release(slots, claims)
+        keepers.set()
         raise
-    handle = ServiceHandle(url, worker, service, server, thread, held, lease.ledger_path if lease else None,
-                           supervisor)
+    handle.claims, handle._keepers = claims, keepers
+    return handle
 
-    def restarted(generation: int) -> None:  # the service's own state lives in its event loop
-        handle.worker = supervisor.proc
-        loop[0].call_soon_threadsafe(service.worker_restarted, generation)
-    supervisor.listeners.append(restarted)
-    supervisor.start()
+
+def _serve_slots(slots: list[WorkerSlot], procs: list[subprocess.Popen], starters: list, home: Path, host: str,
+                 port: int, settings: TinkerSettings, keys: Any, tracker: Any, gap_timeout_s: float,
+                 max_lora_rank: int, pass_tokens: int, worker_timeout_s: float | None,
+                 service_options: dict[str, Any]) -> ServiceHandle:
+    """Supervisors and runtimes for the started workers, the app over them, serving in a thread."""
+    import uvicorn
+
+    from tinker_pipelines.serving.tinker.supervisor import WorkerSupervisor
+
+    for slot, proc, start in zip(slots, procs, starters):
+        slot.supervisor = WorkerSupervisor(proc, start, slot.address, slot.label, log_path=slot.log)
+    first = slots[0]
+    node = None
+    if len(slots) > 1:
+        for slot in slots:
+            slot.runtime = Runtime(slot.address, pass_tokens=pass_tokens, timeout_s=worker_timeout_s,
+                                   supervisor=slot.supervisor)
+        bases = list(dict.fromkeys(s.base for s in slots))
+        node = Node([NodeWorker(s.base, s.runtime, s.device, s.label) for s in slots],
+                    {b: base_aliases(b) for b in bases})
+    app, service = build_app(first.base, first.address, home, settings, tracker, gap_timeout_s, max_lora_rank,
+                             pass_tokens, worker_timeout_s, first.supervisor, node=node, **service_options)
+    first.runtime = service.runtime
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    loop: list[asyncio.AbstractEventLoop] = []
+    thread = threading.Thread(target=_serve, args=(server, sock, loop), daemon=True)
+    thread.start()
+    wait_healthy(url, max(60, 10 * len(slots)), key=next(iter(keys.by_key), None))
+    handle = ServiceHandle(url, procs[0], service, server, thread, first.lease, first.ledger_path, first.supervisor,
+                           slots)
+    for slot in slots:
+        def restarted(generation: int, slot: WorkerSlot = slot) -> None:  # the service's state lives in its loop
+            if slot is first:
+                handle.worker = slot.supervisor.proc
+            loop[0].call_soon_threadsafe(service.worker_restarted, generation, slot.runtime)
+        slot.supervisor.listeners.append(restarted)
+        slot.supervisor.start()
     return handle
 
 

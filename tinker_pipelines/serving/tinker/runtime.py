@@ -102,9 +102,13 @@ class Trainer:
     """The worker generation its adapter lives on (`WorkerSupervisor.generation`)."""
     resume_path: str | None = None
     """The tinker:// path of its last `save_state`, or of the checkpoint it was loaded from."""
+    runtime: Any = field(default=None, repr=False, compare=False)
+    """The `Runtime` (one worker) whose `create` made it: its adapter lives on that worker only."""
 
     def close(self) -> None:
         self.conn.close()  # the worker drops every adapter this connection holds
+        if self.runtime is not None:
+            self.runtime.forget(self)
 
     def lost_state(self) -> str:
         """What a client whose worker was lost can do."""
@@ -127,6 +131,8 @@ class Runtime:
         self.supervisor = supervisor
         """The `supervisor.WorkerSupervisor` that replaces a dead or hung worker, or None."""
         self._lock = threading.Lock()
+        self._live: set[str] = set()
+        """Adapters of the training clients made here and not closed: counted by `live_adapters`."""
         self._from_checkpoints: dict[str, tuple[str, SharedConnection]] = {}
         """Read-only adapters `load_for_sampling` made: name -> (checkpoint directory, the
         connection of its own that holds it); loaded again on a new worker."""
@@ -216,7 +222,26 @@ class Runtime:
         except BaseException:
             conn.close()
             raise
+        with self._lock:
+            self._live.add(name)
+        trainer.runtime = self
         return trainer
+
+    def forget(self, t: Trainer) -> None:
+        """A training client closed: it no longer counts in `live_adapters`."""
+        with self._lock:
+            self._live.discard(t.adapter)
+
+    def live_adapters(self) -> int:
+        """Live adapters on this worker that sessions placed here: training clients and
+        checkpoints loaded for sampling (what `node.Node` balances new ones by)."""
+        with self._lock:
+            return len(self._live) + len(self._from_checkpoints)
+
+    def holds(self, adapter: str) -> bool:
+        """Whether `adapter` is a checkpoint this runtime loaded for sampling."""
+        with self._lock:
+            return adapter in self._from_checkpoints
 
     def forward_backward(self, t: Trainer, datums: list, loss: str, config: dict[str, float],
                          forward_only: bool) -> tuple[list[list[float]], dict[str, float]]:

@@ -1,5 +1,6 @@
 """The Tinker service's state and calls, without HTTP: sessions, training clients, sampling
-sessions and their checkpoints, over one resident worker (`runtime.Runtime`).
+sessions and their checkpoints, over one resident worker (`runtime.Runtime`) or the workers of
+several bases and devices (`node.Node`: placement by load, a worker's loss its own).
 
 Each training client is a `Model`: a LoRA adapter on the worker, its `SeqQueue` (its calls run
 in `seq_id` order), its MLflow run and its checkpoints. A checkpoint is written in our own
@@ -27,6 +28,7 @@ from tinker_pipelines.algorithms.tinker_losses import (TinkerLoss, datum_from_ti
                                                         stack_soft_targets)
 from tinker_pipelines.serving.tinker import catalog, tenancy, wire
 from tinker_pipelines.serving.tinker.futures import Failed, Futures, Proto, Result, SeqQueue
+from tinker_pipelines.serving.tinker.node import Node
 from tinker_pipelines.serving.tinker.runtime import LoraShape, Runtime, Trainer
 from tinker_pipelines.serving.tinker.sampling import Answer, SampleBatcher
 from tinker_pipelines.types import Datum
@@ -149,15 +151,20 @@ class Sampler:
 
 
 class Service:
-    """Every session, model and sampler of one base model on one worker."""
+    """Every session, model and sampler of the served bases, over their workers."""
 
-    def __init__(self, runtime: Runtime, base_model: str, home: Path, tracker: Any = None,
+    def __init__(self, runtime: Runtime | Node, base_model: str, home: Path, tracker: Any = None,
                  gap_timeout_s: float = 60.0, base_aliases: tuple[str, ...] = (), max_lora_rank: int = 64,
                  session_ttl_s: float = 600.0, min_ttl_s: int = catalog.TTL_BOUNDS_S[0]):
-        self.runtime = runtime
-        self.base_model = base_model
-        """The name clients pass as `base_model` (a catalogue name or a model directory)."""
-        self.base_aliases = {base_model, *base_aliases}
+        self.node = runtime if isinstance(runtime, Node) else Node.single(runtime, base_model, base_aliases)
+        """Every worker, by base and device; a `Runtime` alone is a node of one worker."""
+        self.runtime = self.node.default
+        """The default base's first worker (the one worker of a single-worker service)."""
+        self.base_model = self.node.bases[0]
+        """The default base: what clients pass as `base_model` (a catalogue name or a model directory)."""
+        self._bases = {alias: b for b in reversed(self.node.bases) for alias in (b, *self.node.aliases[b])}
+        """Every name a client may give a served base -> that base."""
+        self.base_aliases = set(self._bases)
         self.home = home
         self.tracker = tracker
         """A `lineage.TinkerTracker` (MLflow runs, registry, Dagster), or None."""
@@ -212,10 +219,23 @@ class Service:
         return s
 
     def check_base(self, base_model: str | None, field_name: str = "base_model") -> str:
-        if base_model is None or base_model in self.base_aliases:
+        """The served base `base_model` names (None: the default one), else a 400 naming the served ones."""
+        if base_model is None:
             return self.base_model
-        raise Invalid(f"{field_name} {base_model!r} is not served here; this service serves {self.base_model!r}",
-                      field_name)
+        if base_model in self._bases:
+            return self._bases[base_model]
+        served = ", ".join(repr(b) for b in self.node.bases)
+        raise Invalid(f"{field_name} {base_model!r} is not served here; this service serves {served}", field_name)
+
+    def _sampler_base(self, s: Sampler) -> str:
+        """The served base a sampler samples (`create_sampler` checked it)."""
+        return self._bases.get(s.base_model, self.base_model)
+
+    def _checkpoint_base(self, meta: dict[str, Any], field_name: str) -> str:
+        """The served base a checkpoint was trained on (one base served: that one, as always)."""
+        if len(self.node.bases) == 1:
+            return self.base_model
+        return self.check_base(meta.get("base_model"), field_name)
 
     # -- sessions ---------------------------------------------------------------------------
     def create_session(self, req: types.CreateSessionRequest) -> types.CreateSessionResponse:
@@ -259,14 +279,17 @@ class Service:
         finally:
             tenancy.reset(token)
 
-    def worker_restarted(self, generation: int) -> None:
-        """The worker was replaced by a new one of `generation` (`supervisor.WorkerSupervisor`;
-        called in the event loop): the training clients whose adapters lived on an older one are
-        closed as lost and their later calls answer 410 saying what happened and which save to
-        resume from (`Runtime.lost_message`); so do the samplers that sampled their adapters.
+    def worker_restarted(self, generation: int, runtime: Runtime | None = None) -> None:
+        """The worker of `runtime` (default: the only one) was replaced by a new one of
+        `generation` (`supervisor.WorkerSupervisor`; called in the event loop): the training
+        clients whose adapters lived on an older one are closed as lost and their later calls
+        answer 410 saying what happened and which save to resume from (`Runtime.lost_message`);
+        so do the samplers that sampled their adapters. Other workers' clients are untouched.
         Samplers of checkpoint paths were loaded again by the runtime, and the base needs nothing."""
-        for m in [m for m in self.models.values() if m.trainer.generation < generation]:
-            why = self.runtime.lost_message(m.trainer)
+        runtime = runtime or self.runtime
+        for m in [m for m in self.models.values() if m.trainer.generation < generation
+                  and (m.trainer.runtime or self.runtime) is runtime]:
+            why = runtime.lost_message(m.trainer)
             self.models.pop(m.model_id, None)
             self.lost_models[m.model_id] = (m.owner, why)
             for sampler in self.samplers.values():
@@ -276,10 +299,10 @@ class Service:
             if self.tracker is not None:
                 self.futures.spawn(asyncio.to_thread(self.tracker.end_model, m.model_id, "failed"))
         for source, (adapter, users) in list(self._loaded.items()):
-            if (Path(source) / "record.json").exists():
+            if (self.node.holder(adapter) or self.runtime) is not runtime or (Path(source) / "record.json").exists():
                 continue  # the runtime loads it again on the new worker
             del self._loaded[source]  # deleted while in use: only the old worker's memory held it
-            self.futures.spawn(asyncio.to_thread(self.runtime.unload, adapter))
+            self.futures.spawn(asyncio.to_thread(runtime.unload, adapter))
             for sid in users:
                 if sid in self.samplers:
                     self.samplers[sid].gone = ("its checkpoint was deleted while it sampled, and the worker that still "
@@ -311,7 +334,7 @@ class Service:
         users.discard(sampler_id)
         if not users:
             del self._loaded[s.source]
-            await asyncio.to_thread(self.runtime.unload, adapter)
+            await asyncio.to_thread(self.node.unload, adapter)
 
     def loaded_adapters(self) -> dict[str, int]:
         """Adapters this service holds on the worker, by kind (what a leak check counts)."""
@@ -367,7 +390,7 @@ class Service:
 
     async def _new_model(self, model_id: str, s: Session, base: str, lora: LoraShape,
                          user_metadata: dict[str, str]) -> Model:
-        trainer = await asyncio.to_thread(self.runtime.create, lora, base)
+        trainer = await asyncio.to_thread(self.node.create, lora, base)
         m = Model(model_id, s.session_id, base, lora, user_metadata, trainer,
                   SeqQueue(self.futures, 1, self.gap_timeout_s), s.owner)
         self.models[model_id] = m
@@ -380,7 +403,8 @@ class Service:
     def info(self, model_id: str) -> types.GetInfoResponse:
         m = self.model(model_id)
         return types.GetInfoResponse(model_id=model_id, is_lora=True, lora_rank=m.lora.rank, model_name=m.base_model,
-                                     model_data=types.ModelData(arch=self.runtime.info.get("arch") or "causal_lm",
+                                     model_data=types.ModelData(arch=self.node.info(m.base_model).get("arch")
+                                                                or "causal_lm",
                                                                 model_name=m.base_model, tokenizer_id=m.base_model))
 
     def training_run(self, model_id: str) -> types.TrainingRun:
@@ -426,10 +450,11 @@ class Service:
 
     def forward_backward(self, call: wire.ForwardBackwardCall) -> str:
         async def work(m: Model) -> Result:
-            vocab = self.runtime.info.get("vocab_size")
+            info = self.node.info(m.base_model)
+            vocab = info.get("vocab_size")
             # soft targets, (N, K) cross_entropy, run as K datums over the same tokens
             columns = [soft_target_columns(d.inputs) for d in call.data]
-            datums = [_datum(wire.TinkerDatum(d.tokens, c), i, call.loss, vocab, self.runtime.max_context)
+            datums = [_datum(wire.TinkerDatum(d.tokens, c), i, call.loss, vocab, info.get("max_context"))
                       for i, (d, cs) in enumerate(zip(call.data, columns)) for c in (cs or [d.inputs])]
             logprobs, metrics = await asyncio.to_thread(self.runtime.forward_backward, m.trainer, datums,
                                                         call.loss.name, dict(call.loss.config), call.forward_only)
@@ -742,11 +767,12 @@ class Service:
             return sid
         model_id, _, _, d = self.resolve(req.model_path, "model_path")
         meta = self.checkpoint_meta(model_id, d)
+        base = self._checkpoint_base(meta, "model_path")
         source = str(d)
         if source not in self._loaded:
-            adapter = await asyncio.to_thread(self.runtime.load_for_sampling, d)
+            adapter = await asyncio.to_thread(self.node.load_for_sampling, d, base)
             if sid in self.samplers or source in self._loaded:  # a retry or a twin got there while it loaded
-                await asyncio.to_thread(self.runtime.unload, adapter)
+                await asyncio.to_thread(self.node.unload, adapter)
             else:
                 self._loaded[source] = (adapter, set())
         if sid in self.samplers:
@@ -765,19 +791,19 @@ class Service:
             raise Invalid(f"prompt holds {', '.join(kinds)} chunks; this service samples text (encoded_text) only",
                           "prompt.chunks")
         call = self._sample_call(s, req)
-        self._check_rows(call)
+        self._check_rows(call, self.node.info(self._sampler_base(s)))
         ids = [f"{req.sampling_session_id}:{req.seq_id}:{i}" for i in range(req.num_samples)]
 
         async def work() -> Result:
-            conn = s.trainer.conn if s.trainer else self.runtime.connection(s.adapter)
+            conn = s.trainer.conn if s.trainer else self.node.connection(s.adapter, self._sampler_base(s))
             answer = await self.batcher.sample(conn, call)
             return Proto(wire.encode_sample(*_sequences(answer, req)))
         return self.futures.run(work), ids
 
-    def _check_rows(self, call: M.SampleCall) -> None:
+    def _check_rows(self, call: M.SampleCall, info: dict[str, Any]) -> None:
         """Refuse, before it can share a batch with anyone, a call the worker cannot run: a token
         outside the vocabulary, or a prompt that with `max_tokens` overflows the context."""
-        vocab, context = self.runtime.info.get("vocab_size"), self.runtime.max_context
+        vocab, context = info.get("vocab_size"), info.get("max_context")
         for prompt in call.prompts:
             if not prompt:
                 raise Invalid("prompt is empty: sampling needs at least one token", "prompt")
@@ -798,7 +824,7 @@ class Service:
         if not 1 <= req.num_samples <= 256:
             raise Invalid(f"num_samples must be 1..256, got {req.num_samples}", "num_samples")
         # the prompt's scores come from one forward over it on the worker, whatever num_samples
-        scoring = wire.prompt_scoring(req, prompt, self.runtime.info.get("vocab_size"))
+        scoring = wire.prompt_scoring(req, prompt, self.node.info(self._sampler_base(s)).get("vocab_size"))
         stop = p.stop if isinstance(p.stop, list) else ([p.stop] if p.stop else [])
         return M.SampleCall(adapter=s.adapter, prompts=[prompt], max_new_tokens=int(p.max_tokens or 16),
                             temperature=float(p.temperature), top_k=0 if p.top_k in (None, -1) else int(p.top_k),

@@ -31,6 +31,14 @@ def _hf():
     return modeling_qwen3_5
 
 
+def _lanes(fn: Callable, x: torch.Tensor) -> torch.Tensor:
+    """`fn(x)` (exp, sigmoid, softplus) with the last dim padded to 64 values: torch computes
+    the tail of a tensor that fills no whole vector with scalar code whose floats differ from the
+    vector code's, so over `[B, T, Hv]` a row's values changed with the batch size (Hv = 4)."""
+    pad = -x.shape[-1] % 64
+    return fn(F.pad(x, (0, pad)))[..., : x.shape[-1]] if pad else fn(x)
+
+
 @dataclass(slots=True)
 class DeltaNet:
     """One Gated DeltaNet layer's parameters besides its in and out projections."""
@@ -95,30 +103,50 @@ def _recurrent_step(q, k, v, g, beta, state_BHKV):
     q = l2norm(q.float(), dim=-1, eps=1e-6)
     k = l2norm(k.float(), dim=-1, eps=1e-6)
     q = q / (q.shape[-1] ** 0.5)
-    state_BHKV = state_BHKV * g.float().exp()[..., None, None]
+    state_BHKV = state_BHKV * _lanes(torch.exp, g.float())[..., None, None]
     kv_mem = (state_BHKV * k.unsqueeze(-1)).sum(dim=-2)
     delta = (v.float() - kv_mem) * beta.float().unsqueeze(-1)
     state_BHKV = state_BHKV + k.unsqueeze(-1) * delta.unsqueeze(-2)
     return (state_BHKV * q.unsqueeze(-1)).sum(dim=-2).to(dtype), state_BHKV
 
 
+def _chunked_rows(q, k, v, g, beta, state_BHKV, live_BT: torch.Tensor):
+    """The chunked form row by row over each row's live columns only: a row's floats then do
+    not depend on the other rows or on the block's width (batched, they changed by ~1e-9 with
+    the batch: `LeanDecoder.invariant`). Dead columns' outputs are zeros."""
+    o = torch.zeros_like(v)
+    states = []
+    for i, m in enumerate(live_BT.sum(1).tolist()):
+        T = v.shape[1]
+        o_i, s_i = _hf().torch_chunk_gated_delta_rule(
+            q[i:i + 1, T - m:], k[i:i + 1, T - m:], v[i:i + 1, T - m:], g=g[i:i + 1, T - m:],
+            beta=beta[i:i + 1, T - m:], initial_state=state_BHKV[i:i + 1], output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
+        o[i, T - m:] = o_i[0]
+        states.append(s_i)
+    return o, torch.cat(states)
+
+
 def mix(d: DeltaNet, proj_BTP: torch.Tensor, conv_BCK: torch.Tensor, state_BHKV: torch.Tensor,
-        live_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        live_BT: torch.Tensor | None = None, rowwise: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layer between its projections: `proj_BTP` is in_proj's output (q|k|v, z, b, a) of the
     (masked) normed input; returns (the gated norm's output `[B, T, Hv * Dv]`, for out_proj, the
     new conv state, the new recurrent state). One token steps the recurrent form; more run the
-    chunked form, with `live_BT` marking each row's own columns."""
+    chunked form, with `live_BT` marking each row's own columns (`rowwise`: one row at a time)."""
     B, T, _ = proj_BTP.shape
     mixed, z, b, a = proj_BTP.split(d.splits, dim=-1)
     out_BCT, conv_BCK = _conv(d, mixed.transpose(1, 2), conv_BCK, live_BT)
     key = d.n_k * d.dk
     q, k, v = out_BCT.transpose(1, 2).split([key, key, d.n_v * d.dv], dim=-1)
-    beta = b.sigmoid()
-    g = d.neg_A_H * F.softplus(a.float() + d.dt_bias_H)
+    beta = _lanes(torch.sigmoid, b)
+    g = d.neg_A_H * _lanes(F.softplus, a.float() + d.dt_bias_H)
     if T == 1 and live_BT is None:
         o, state_BHKV = _recurrent_step(q.reshape(B, d.n_k, d.dk), k.reshape(B, d.n_k, d.dk),
                                         v.reshape(B, d.n_v, d.dv), g[:, 0], beta[:, 0], state_BHKV)
         o = o[:, None]
+    elif rowwise and live_BT is not None:
+        o, state_BHKV = _chunked_rows(q.reshape(B, T, d.n_k, d.dk), k.reshape(B, T, d.n_k, d.dk),
+                                      v.reshape(B, T, d.n_v, d.dv), g, beta, state_BHKV, live_BT)
     else:
         if live_BT is not None:  # dead columns neither decay nor write the state
             dead = ~live_BT[..., None]

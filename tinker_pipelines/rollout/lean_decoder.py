@@ -470,7 +470,8 @@ class LeanDecoder:
         if live_BT is not None:  # transformers zeroes padding's input to these layers
             x = x * live_BT[..., None].to(x.dtype)
         proj = self._lin(x, f.qkv, li, 0)
-        o, self.conv[slot], self.rec[slot] = delta_net.mix(f.mixer, proj, self.conv[slot], self.rec[slot], live_BT)
+        o, self.conv[slot], self.rec[slot] = delta_net.mix(f.mixer, proj, self.conv[slot], self.rec[slot], live_BT,
+                                                           rowwise=self.invariant)
         return self._lin(o, f.o, li, 1)
 
     def _block_masks(self, mask_BL: torch.Tensor, T: int) -> dict[int | None, torch.Tensor]:

@@ -10,7 +10,10 @@ declares (as transformers' `modular_*.py` files describe Qwen3 as a diff of Qwen
 - Qwen2/2.5: a bias on q, k and v (read from the modules: any family may carry biases);
 - Qwen3: RMSNorm over each head of q and k before the rotary (`qk_norm`); small sizes tie the
   output layer to the embedding (read from the modules as well);
-- Mistral: a sliding window over every layer where the config sets one (`window_of`).
+- Mistral: a sliding window over every layer where the config sets one (`window_of`);
+- Qwen3.5 (dense): three of every four layers Gated DeltaNet (`layer_kinds`: 'linear_attention',
+  `delta_net`), the fourth gated full attention (`attn_gate`) with q/k norms and a partial rotary;
+  its RMSNorms scale by `1 + weight` (`centered_norm`).
 
 What the shared decoder reads from the model itself rather than from a declaration: grouped-query
 ratios, head sizes, biases, tied embeddings, the activation, and the rotary tables (the model's

@@ -1,7 +1,8 @@
 """A lean decode step for the Llama-shaped families, with a pre-allocated (static) KV cache.
 
 One decoder runs every family of `architectures` (Llama with any static RoPE, Qwen2/2.5,
-Qwen3, Mistral): each is a declared difference from a Llama (q/k RMSNorm, sliding windows),
+Qwen3, Mistral, Qwen3.5 whose Gated DeltaNet layers are `delta_net`'s layer kind): each is a
+declared difference from a Llama (q/k RMSNorm, sliding windows, gated attention),
 and what the modules show (biases, tied embeddings, grouped-query ratios, head sizes, the
 rotary tables) is read from them. `LeanDecoder.why_not` names what it cannot run; callers then
 use the model's own forward (`hf_decoder`).

@@ -7,8 +7,9 @@ Each family is a random-weight model built from transformers' own config class (
 of the same dimensions as a default-RoPE Llama (`llama`) built the same way; each carries what
 sets it apart: `llama3` Llama 3.1's RoPE scaling, `qwen2` q/k/v biases (Qwen2.5's rope theta),
 `qwen3` q/k RMSNorm and tied embeddings, `mistral` a 4096-token sliding window (Mistral 7B
-v0.1's; it does not bind at these lengths, so the windowed path runs at the Llama's cost). Per
-family, on this CPU:
+v0.1's; it does not bind at these lengths, so the windowed path runs at the Llama's cost),
+`qwen3_5` the hybrid: three Gated DeltaNet layers to each gated full-attention one (`_qwen3_5`;
+its adapters also cover the DeltaNet layers' linears). Per family, on this CPU:
 
 - `greedy_equal`: the sampler's greedy tokens equal HF `generate`'s (6 prompts of 3-20 tokens,
   16 new tokens), fp32; `greedy_equal_bf16` the same in bf16 (reported);
@@ -16,7 +17,9 @@ family, on this CPU:
   and completion, fp32 (goal <= 1e-5); `logprobs_max_diff_bf16` (reported);
 - `mixed_equal_solo`: rows of 4 LoRA adapters (ranks 4-16, every linear and the output layer) in
   one batch give each adapter's tokens and logprobs exactly as it samples alone;
-- `fast_path`: the lean decoder, mixed-adapter batches and prompt sharing in training all take it;
+- `fast_path`: the lean decoder, mixed-adapter batches and prompt sharing in training all take it
+  (`decode_fast`, `mixed_fast`, `train_prefix_shared` say which; Qwen3.5 trains without prompt
+  sharing: its linear-attention layers take no shared prefix's keys and values);
 - `speed_vs_llama`: decode tokens/s at batch 16 (32-token prompts, 64 new tokens, no stop), fp32,
   over the Llama's (goal >= 0.9); best of `--reps` calls each, the families interleaved. By
   default with one torch thread, timed by the thread's CPU time (`_clock`: on a shared machine
@@ -40,11 +43,19 @@ import torch
 
 PAD = 3
 """The tiny tokenizer's pad id (its vocabulary fits every test config)."""
-FAMILIES = ("llama3", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama3", "qwen2", "qwen3", "mistral", "qwen3_5")
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 """Llama 3.1's RoPE parameters."""
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+DELTA_NET_TARGETS = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+"""Qwen3.5's Gated DeltaNet layers' linears, adapted beside the attention ones."""
+
+
+def targets_for(config) -> list[str]:
+    """Every linear of a model of `config` and its output layer."""
+    hybrid = "linear_attention" in (getattr(config, "layer_types", None) or ())
+    return TARGETS + DELTA_NET_TARGETS if hybrid else list(TARGETS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +72,7 @@ class Dims:
 
 def family_config(name: str, dims: Dims, **overrides):
     """A config of family `name` ('llama' is the default-RoPE Llama) from transformers' class."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3_5TextConfig, Qwen3Config
 
     common = dict(vocab_size=dims.vocab, hidden_size=dims.hidden, intermediate_size=dims.intermediate,
                   num_hidden_layers=dims.layers, num_attention_heads=dims.heads, num_key_value_heads=dims.kv_heads,
@@ -73,11 +84,26 @@ def family_config(name: str, dims: Dims, **overrides):
         "qwen2": (Qwen2Config, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
         "qwen3": (Qwen3Config, {"tie_word_embeddings": True}),
         "mistral": (MistralConfig, {"sliding_window": 4096}),
+        "qwen3_5": (Qwen3_5TextConfig, _qwen3_5(dims)),
     }
     if name not in family:
         raise ValueError(f"family {name!r} is not one of {', '.join(family)}")
     cls, own = family[name]
     return cls(**{**common, **own, **overrides})
+
+
+def _qwen3_5(dims: Dims) -> dict:
+    """Qwen3.5's differences at `dims`: three Gated DeltaNet layers to each full-attention one
+    (its default `layer_types`) with as many key heads as the Llama's kv heads and a value head per
+    query head (so in_proj q|k|v is the Llama's q|k|v), a quarter-head rotary split over
+    (text, height, width) as its checkpoints set it, tied embeddings."""
+    head_dim = dims.head_dim or dims.hidden // dims.heads
+    half = int(head_dim * 0.25) // 2
+    rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": [half - 2 * (half // 4), half // 4, half // 4], "mrope_interleaved": True}
+    return {"tie_word_embeddings": True, "rope_parameters": rope, "linear_key_head_dim": head_dim,
+            "linear_value_head_dim": head_dim, "linear_num_key_heads": dims.kv_heads,
+            "linear_num_value_heads": dims.heads}
 
 
 def build_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -134,7 +160,7 @@ def add_adapters(model, ranks=(4, 8, 8, 16), seed: int = 3):
 
     peft = None
     for i, r in enumerate(ranks):
-        cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS, lora_dropout=0.0)
+        cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets_for(model.config), lora_dropout=0.0)
         if peft is None:
             peft = get_peft_model(model, cfg, adapter_name=f"a{i}")
         else:
@@ -208,7 +234,7 @@ def tinker_datums(vocab: int, groups: int = 4, per_group: int = 4, prompt_len: i
 def tinker_learner(model, share_prefix: bool = True, rank: int = 8, seed: int = 0):
     from tinker_pipelines.training.learner import Learner, LearnerConfig
 
-    cfg = LearnerConfig(mode="lora", lora_rank=rank, lora_alpha=32.0, lora_targets=tuple(TARGETS),
+    cfg = LearnerConfig(mode="lora", lora_rank=rank, lora_alpha=32.0, lora_targets=tuple(targets_for(model.config)),
                         share_prefix=share_prefix, learning_rate=1e-3)
     return Learner(model, cfg, PAD, adapter_name="bench", init_seed=seed)
 
@@ -235,8 +261,10 @@ def _correctness(name: str, dims: Dims) -> dict:
     sampler, mixed, alone = mixed_and_solo(peft, 4)
     out["mixed_equal_solo"] = all([(s.tokens, s.logprobs) for s in m] == [(s.tokens, s.logprobs) for s in a]
                                   for m, a in zip(mixed, alone))
-    out["fast_path"] = (LeanDecoder.why_not(model) is None and sampler.supports_mixed_adapters()
-                        and supports_prefix_sharing(peft))
+    out["decode_fast"] = LeanDecoder.why_not(model) is None
+    out["mixed_fast"] = sampler.supports_mixed_adapters()
+    out["train_prefix_shared"] = supports_prefix_sharing(peft)
+    out["fast_path"] = out["decode_fast"] and out["mixed_fast"] and out["train_prefix_shared"]
     return out
 
 

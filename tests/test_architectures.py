@@ -1,10 +1,11 @@
-"""Every family of the fast path (Llama 3.x, Qwen2/2.5, Qwen3, Mistral), on tiny random configs
+"""Every family of the fast path (Llama 3.x, Qwen2/2.5, Qwen3, Mistral, Qwen3.5), on tiny random configs
 built from transformers' own config classes: greedy tokens and logprobs against Hugging Face,
 mixed-adapter rows against solo, prompt-shared training against plain, and a Tinker service
 round trip on a saved model directory. Each config carries its family's differences where short
 sequences meet them: Llama 3's RoPE scaling over 32 positions, Qwen2's biases with a 12-token
 window on its second layer, Qwen3's q/k norms with 32-wide heads and tied embeddings, Mistral's
-12-token window everywhere; grouped-query ratios 4, 2, 2 and 1."""
+12-token window everywhere, Qwen3.5's three Gated DeltaNet layers and one gated full-attention
+layer with a quarter-head rotary; grouped-query ratios 4, 2, 2, 1 and 2."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import pytest
 import torch
 
 from benchmarks.architectures import (PAD, Dims, add_adapters, against_hf, build_model, family_config,
-                                      forward_logprobs, hf_greedy, mixed_and_solo, prompts, tinker_datums,
-                                      tinker_learner)
+                                      forward_logprobs, hf_greedy, mixed_and_solo, prompts, targets_for,
+                                      tinker_datums, tinker_learner)
 from tinker_pipelines.rollout.lean_decoder import LeanDecoder
 from tinker_pipelines.rollout.sampler import Sampler
 from tinker_pipelines.training.prefix_sharing import supports_prefix_sharing
@@ -33,8 +34,11 @@ CASES = {
     "qwen3": (Dims(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=VOCAB, head_dim=32), {}),
     "mistral": (Dims(hidden=64, layers=2, heads=4, kv_heads=4, intermediate=128, vocab=VOCAB),
                 {"sliding_window": 12}),
+    "qwen3_5": (Dims(hidden=64, layers=4, heads=4, kv_heads=2, intermediate=128, vocab=VOCAB, head_dim=32), {}),
 }
 FAMILIES = list(CASES)
+SHARING = [f for f in FAMILIES if f != "qwen3_5"]
+"""Families whose training shares prompts (Qwen3.5's linear-attention layers take no shared keys and values)."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BF16_LOGPROBS = 3e-2
 """bf16 bound against the HF forward (a bf16 logit moves by ~4e-3 of itself; measured <= 8e-3)."""
@@ -56,6 +60,10 @@ def test_configs_carry_their_family_differences():
     assert qwen3.lm_head.weight is qwen3.model.embed_tokens.weight and qwen3.model.layers[0].self_attn.head_dim == 32
     assert mistral.config.sliding_window == 12
     assert _model("llama3").config.rope_parameters["rope_type"] == "llama3"
+    qwen3_5 = _model("qwen3_5")
+    assert qwen3_5.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert qwen3_5.model.layers[3].self_attn.q_proj.out_features == 2 * 4 * 32  # each head's query and gate
+    assert qwen3_5.config.rope_parameters["partial_rotary_factor"] == 0.25
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -71,6 +79,7 @@ def test_greedy_and_logprobs_match_hf(name, dtype):
     sampler = Sampler(model, PAD, [])
     first = prompts(VOCAB)
     done = sampler.sample(first, 8, temperature=0.0)
+    assert sampler.decode_path == "lean"
     longer = [p + list(s.tokens) + [7, 9] for p, s in zip(first, done)]
     assert sampler._store is not None and all(sampler._store.lookup(tuple(p)) for p in longer)
     again = sampler.sample(longer, 8, temperature=0.0)
@@ -84,7 +93,9 @@ def test_a_shared_system_prompt_is_prefilled_once(name):
     g = torch.Generator().manual_seed(4)
     system = torch.randint(5, VOCAB, (18,), generator=g).tolist()
     rows = [system + torch.randint(5, VOCAB, (n,), generator=g).tolist() for n in (1, 4, 6)]
-    samples = Sampler(model, PAD, []).sample(rows, 10, temperature=0.0)
+    sampler = Sampler(model, PAD, [])
+    samples = sampler.sample(rows, 10, temperature=0.0)
+    assert sampler.decode_path == "lean"
     assert [list(s.tokens) for s in samples] == hf_greedy(model, rows, 10)
     for p, s in zip(rows, samples):
         assert (forward_logprobs(model, p, s.tokens) - torch.tensor(s.logprobs)).abs().max() <= 2e-5
@@ -118,6 +129,28 @@ def test_an_unmergeable_adapter_steps_through_the_modules(name):
     assert LeanDecoder.why_not(peft) is None and LeanDecoder(peft).fused is None
     equal, worst = against_hf(peft)
     assert equal and worst <= 1e-5, worst
+
+
+def test_an_unmergeable_adapter_on_qwen3_5_falls_back_loudly(recwarn):
+    """The module step has no Gated DeltaNet layer: DoRA on Qwen3.5 decodes through the HF
+    forward, with one warning naming why and `decode_path` saying so, and equals `generate`."""
+    from peft import LoraConfig, get_peft_model
+
+    from tinker_pipelines.rollout.lean_decoder import unwrap_causal_lm
+
+    peft = get_peft_model(_model("qwen3_5"), LoraConfig(r=4, target_modules=["q_proj", "in_proj_qkv"],
+                                                        use_dora=True, lora_dropout=0.0)).eval()
+    reason = LeanDecoder.why_not(peft)
+    assert reason is not None and "hybrid" in reason
+    sampler = Sampler(peft, PAD, [])
+    rows = prompts(VOCAB)
+    for _ in range(2):
+        samples = sampler.sample(rows, 6, temperature=0.0)
+    assert sampler.decode_path == f"hf: {reason}"
+    warned = [w for w in recwarn if "off the fast path" in str(w.message)]
+    assert len(warned) == 1 and reason in str(warned[0].message)
+    assert [list(s.tokens) for s in samples] == hf_greedy(unwrap_causal_lm(peft), rows, 6) or \
+        [list(s.tokens) for s in samples] == hf_greedy(peft, rows, 6)
 
 
 def test_what_the_decoder_cannot_run_is_refused_with_its_reason():
@@ -168,13 +201,13 @@ def _tinker_step(name: str, dtype: str, share: bool, datums, loss):
     learner = tinker_learner(_model(name, dtype), share_prefix=share, rank=4)
     _randomize_b(learner)
     lp, metrics = learner.tinker_forward_backward(datums, loss)
-    assert supports_prefix_sharing(learner.model)
+    assert supports_prefix_sharing(learner.model) == (name in SHARING)
     grads = {n: g.float() for n, g in _lora_grads(learner).items()}
     return torch.tensor([x for row in lp for x in row]), metrics["loss:sum"], grads
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", SHARING)
 def test_prefix_shared_tinker_step_equals_the_plain_one(name, dtype, monkeypatch):
     """Tinker's forward_backward (every position's logprob returned) over groups sharing a
     20-token prompt, prompt shared vs not: loss, every logprob and every LoRA gradient (on the
@@ -208,6 +241,24 @@ def test_prefix_shared_tinker_step_equals_the_plain_one(name, dtype, monkeypatch
         assert err <= 1.5 * err0 + 1e-2 * scale, (n, err, err0, scale)
 
 
+def test_qwen3_5_training_refuses_prompt_sharing_and_takes_the_plain_step(monkeypatch):
+    """Prompt sharing in training hands a prefix's keys and values to its rows; Qwen3.5's Gated
+    DeltaNet layers would need their states instead, so it is refused with its reason and the
+    step is the plain one (its DeltaNet linears adapted too)."""
+    import tinker_pipelines.training.learner as learner_module
+    from tinker_pipelines.training.prefix_sharing import prefix_sharing_problem
+
+    assert "linear_attention" in prefix_sharing_problem(_model("qwen3_5"))
+    calls = []
+    monkeypatch.setattr(learner_module, "shared_prefix_forward", lambda *a, **k: calls.append(1))
+    datums, loss = tinker_datums(VOCAB, groups=2, per_group=3, prompt_len=20)
+    lp, loss_sum, grads = _tinker_step("qwen3_5", "fp32", True, datums, loss)
+    lp0, loss0, grads0 = _tinker_step("qwen3_5", "fp32", False, datums, loss)
+    assert not calls and loss_sum == loss0 and torch.equal(lp, lp0)
+    assert any("in_proj_qkv" in n for n in grads) and any("lm_head" in n for n in grads)
+    assert all(torch.equal(grads[n], g) for n, g in grads0.items())
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_experiments_train_together_as_alone(name):
     """The worker's cross-experiment training pass: two adapters' rows in shared base passes
@@ -220,9 +271,7 @@ def test_experiments_train_together_as_alone(name):
     base = _model(name)
     learners = []
     for i in range(2):
-        cfg = LearnerConfig(mode="lora", lora_rank=4 + 4 * i, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj",
-                                                                            "gate_proj", "up_proj", "down_proj",
-                                                                            "lm_head"))
+        cfg = LearnerConfig(mode="lora", lora_rank=4 + 4 * i, lora_targets=tuple(targets_for(base.config)))
         learners.append(Learner(base, cfg, PAD, adapter_name=f"e{i}", init_seed=10 + i))
         base = learners[-1].model
     _randomize_b(learners[0])
@@ -261,18 +310,23 @@ def _write_dir(name: str, out) -> str:
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
-    """One service per family, started together (each a worker process on its directory)."""
+    """A service per family (a worker process on its directory), started when a test first asks
+    for it: a `-k` selection of one family starts one worker."""
     from tinker_pipelines.serving.tinker.launch import start_service
 
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     handles = {}
-    try:
-        for name in FAMILIES:
+
+    def start(name: str):
+        if name not in handles:
             path = _write_dir(name, tmp_path_factory.mktemp(name))
             handles[name] = (path, start_service(path, home=tmp_path_factory.mktemp(f"svc-{name}"), api_key=KEY,
                                                  device="cpu", dtype="float32", gap_timeout_s=3.0,
                                                  worker_args=["--threads", "1"]))
-        yield handles
+        return handles[name]
+
+    try:
+        yield start
     finally:
         for _, handle in handles.values():
             handle.stop()
@@ -310,7 +364,7 @@ def test_tinker_round_trip(services, name):
     from tinker_pipelines.serving.tinker.runtime import LoraShape
     from tinker_pipelines.training.learner import Learner, LearnerConfig
 
-    path, handle = services[name]
+    path, handle = services(name)
     client = tinker.ServiceClient(base_url=handle.url, api_key=KEY)
     try:
         tc = client.create_lora_training_client(path, rank=4, seed=2).result()

@@ -10,7 +10,10 @@ declares (as transformers' `modular_*.py` files describe Qwen3 as a diff of Qwen
 - Qwen2/2.5: a bias on q, k and v (read from the modules: any family may carry biases);
 - Qwen3: RMSNorm over each head of q and k before the rotary (`qk_norm`); small sizes tie the
   output layer to the embedding (read from the modules as well);
-- Mistral: a sliding window over every layer where the config sets one (`window_of`).
+- Mistral: a sliding window over every layer where the config sets one (`window_of`);
+- Qwen3.5 (dense): three of every four layers Gated DeltaNet (`layer_kinds`: 'linear_attention',
+  `delta_net`), the fourth gated full attention (`attn_gate`) with q/k norms and a partial rotary;
+  its RMSNorms scale by `1 + weight` (`centered_norm`).
 
 What the shared decoder reads from the model itself rather than from a declaration: grouped-query
 ratios, head sizes, biases, tied embeddings, the activation, and the rotary tables (the model's
@@ -72,9 +75,19 @@ class Family:
     """Per layer, the sliding window (keys a query sees, itself included) or None."""
     layer_kinds: Callable = field(default=_all_attention)
     """Per layer, what mixes the tokens: 'attention' here; a hybrid family names others."""
+    centered_norm: bool = False
+    """Qwen3.5: every RMSNorm scales by `1 + weight` in fp32 before the cast back (its weights
+    are stored around zero), where Llama's scales by `weight` after the cast."""
+    attn_gate: bool = False
+    """Qwen3.5: q_proj gives each head's query and an output gate side by side (`[q_h, gate_h]`);
+    the attention output is multiplied by sigmoid(gate) before o_proj."""
+    partial_rotary: bool = False
+    """The rotary may cover only the first `partial_rotary_factor` of each head (Qwen3.5: a
+    quarter); the rest passes through unrotated."""
 
     def causal_lm_class(self) -> type:
-        module = importlib.import_module(f"transformers.models.{self.model_type}.modeling_{self.model_type}")
+        package = self.model_type.removesuffix("_text")  # Qwen3.5's text config lives in `qwen3_5`
+        module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
         return getattr(module, self.causal_lm)
 
 
@@ -82,7 +95,17 @@ LLAMA = Family("llama", "LlamaForCausalLM", "LlamaRMSNorm")
 QWEN2 = Family("qwen2", "Qwen2ForCausalLM", "Qwen2RMSNorm", window_of=_window_by_layer_type)
 QWEN3 = Family("qwen3", "Qwen3ForCausalLM", "Qwen3RMSNorm", qk_norm=True, window_of=_window_by_layer_type)
 MISTRAL = Family("mistral", "MistralForCausalLM", "MistralRMSNorm", window_of=_window_everywhere)
-FAMILIES = {f.model_type: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL)}
+
+
+def _hybrid_kinds(config) -> list[str]:
+    """Qwen3.5: `layer_types` names each layer 'linear_attention' (Gated DeltaNet) or 'full_attention'."""
+    return ["attention" if t == "full_attention" else t for t in config.layer_types]
+
+
+QWEN3_5 = Family("qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3_5RMSNorm", qk_norm=True, layer_kinds=_hybrid_kinds,
+                 centered_norm=True, attn_gate=True, partial_rotary=True)
+"""Qwen3.5's dense text models (transformers' `qwen3_5`, config `Qwen3_5TextConfig`)."""
+FAMILIES = {f.model_type: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, QWEN3_5)}
 
 STATIC_ROPE = ("default", "llama3", "linear", "yarn")
 """RoPE types whose frequencies are fixed by the config: the model's rotary module gives the
@@ -94,8 +117,9 @@ MOVING_ROPE = {
 }
 
 
-def rope_problem(config) -> str | None:
-    """Why positions cannot be encoded once per call for `config`, or None."""
+def rope_problem(config, partial_ok: bool = False) -> str | None:
+    """Why positions cannot be encoded once per call for `config`, or None (`partial_ok`: a
+    rotary over part of each head is fine, the caller rotates only that part)."""
     rope = getattr(config, "rope_parameters", None) or {}
     if rope and all(isinstance(v, dict) for v in rope.values()):
         return "per-layer-type rope_parameters are not supported"
@@ -105,7 +129,7 @@ def rope_problem(config) -> str | None:
     if kind not in STATIC_ROPE:
         return f"rope_type {kind!r} is not one of {', '.join(STATIC_ROPE)}"
     partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
+    if partial not in (None, 1, 1.0) and not partial_ok:
         return f"partial_rotary_factor {partial} (a rotary over part of each head) is not supported"
     return None
 
@@ -137,7 +161,7 @@ def describe(causal: torch.nn.Module, kinds_supported: tuple[str, ...] = ("atten
     impl = getattr(config, "_attn_implementation", None)
     if impl != "sdpa":
         return f"attention implementation {impl!r} (the decoder matches transformers' 'sdpa')"
-    problem = rope_problem(config)
+    problem = rope_problem(config, family.partial_rotary)
     if problem is not None:
         return problem
     kinds = tuple(family.layer_kinds(config))

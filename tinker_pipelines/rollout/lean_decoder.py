@@ -1,7 +1,8 @@
 """A lean decode step for the Llama-shaped families, with a pre-allocated (static) KV cache.
 
 One decoder runs every family of `architectures` (Llama with any static RoPE, Qwen2/2.5,
-Qwen3, Mistral): each is a declared difference from a Llama (q/k RMSNorm, sliding windows),
+Qwen3, Mistral, Qwen3.5 whose Gated DeltaNet layers are `delta_net`'s layer kind): each is a
+declared difference from a Llama (q/k RMSNorm, sliding windows, gated attention),
 and what the modules show (biases, tied embeddings, grouped-query ratios, head sizes, the
 rotary tables) is read from them. `LeanDecoder.why_not` names what it cannot run; callers then
 use the model's own forward (`hf_decoder`).
@@ -39,7 +40,7 @@ packed along the query axis), so greedy outputs match `model.generate` token for
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,7 @@ from tinker_pipelines.models.dtypes import rms_norm
 from tinker_pipelines.rollout.architectures import Arch, describe
 from tinker_pipelines.rollout.linears import attention, blocked_linear, invariant_linear, rows_linear
 from tinker_pipelines.rollout.mixed_lora import RowAdapters
+from tinker_pipelines.rollout import delta_net
 
 def unwrap_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """The causal LM inside a PEFT wrapper (its LoRA layers stay injected), else `model`."""
@@ -110,6 +112,28 @@ def _unmerged_adapter(causal: torch.nn.Module) -> str | None | bool:
     return next(iter(active)) if len(active) == 1 else False
 
 
+def _fusable(causal: torch.nn.Module) -> bool:
+    """Whether every active adapter of `causal` can run in the fused weights or beside them."""
+    if any(getattr(m, "lora_variant", None) or any(getattr(m, "lora_bias", {}).values()) for m in causal.modules()):
+        return False
+    return _unmerged_adapter(causal) is not False
+
+
+def _norm_params(norm: torch.nn.Module, centered: bool) -> tuple[torch.Tensor, float]:
+    """(scale, eps) of an RMSNorm as `LeanDecoder._rms` applies it: a centered norm's `1 + weight` in fp32."""
+    if centered:
+        return 1.0 + norm.weight.float(), norm.eps
+    return norm.weight, norm.variance_epsilon
+
+
+def centered_rms_norm(h: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' `Qwen3_5RMSNorm` on `h` with `scale` = 1 + its weight (fp32): normalised and
+    scaled in fp32, then cast back."""
+    h32 = h.to(torch.float32)
+    h32 = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
+    return (h32 * scale).to(h.dtype)
+
+
 def _fuse(modules: list[torch.nn.Module], base_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """One weight (and bias) computing the outputs of `modules` side by side, or None."""
     params = [linear_params(m, base_only) for m in modules]
@@ -137,6 +161,9 @@ class PromptStore:
     rows: dict[tuple[int, ...], int]
     """Prompt -> row."""
     fingerprint: tuple
+    states: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    """Per-row state of the other layer kinds at each prompt's end (`LeanDecoder._states`):
+    a Gated DeltaNet layer's conv and recurrent states."""
 
     def lookup(self, prompt: tuple[int, ...]) -> tuple[int, int] | None:
         """(row, length) of the longest stored prompt that is a strict prefix of `prompt`. (A
@@ -179,12 +206,14 @@ class FusedLayer:
     qk_norm: torch.Tensor | None
     """Qwen3: the q norm's weight for each q head, then the k norm's for each k head, `[n_q + n_kv, D]`."""
     qk_eps: float
+    mixer: "delta_net.DeltaNet | None" = None
+    """A Gated DeltaNet layer's own parameters (its `qkv` is in_proj qkv|z|b|a, its `o` out_proj)."""
 
 
 class LeanDecoder:
     """Decode steps for one batch: `prefill` once, then `step` per new token; `select` drops or repeats rows."""
 
-    LAYER_KINDS = ("attention",)
+    LAYER_KINDS = ("attention", "linear_attention")
     """Layer kinds (`architectures.Family.layer_kinds`) this decoder has a step for."""
 
     @classmethod
@@ -197,6 +226,10 @@ class LeanDecoder:
         if getattr(causal.model, "gradient_checkpointing", False) or causal.training or any(
                 layer.training for layer in causal.model.layers):
             return "the model is in training mode (dropout, gradient checkpointing)"
+        if set(arch.kinds) != {"attention"} and not _fusable(causal):
+            # the modules' own step (`_step_modules`) has no linear-attention layer
+            return "an adapter that cannot be merged or added per row (DoRA, LoRA bias, several of another dtype) " \
+                   "on a hybrid model"
         return None
 
     @classmethod
@@ -222,14 +255,26 @@ class LeanDecoder:
         self.layers = list(inner.layers[: cfg.num_hidden_layers])
         self.windows = arch.windows
         """Per layer, the keys a query sees (itself included) when the layer has a sliding window."""
+        self.kinds = arch.kinds
+        self.hybrid = set(self.kinds) != {"attention"}
+        self.slots = [self.kinds[:li].count(k) for li, k in enumerate(self.kinds)]
+        """Per layer, its index among the layers of its kind: where its per-row state is kept."""
+        self._rms = centered_rms_norm if arch.family.centered_norm else rms_norm
         self.norm = inner.norm
+        self.final_norm = _norm_params(self.norm, arch.family.centered_norm)
         self.rotary = inner.rotary_emb
         self.lm_head = self.causal.lm_head
-        attn = self.layers[0].self_attn
-        self.head_dim = attn.head_dim
-        self.n_rep = attn.num_key_value_groups
-        self.scaling = attn.scaling
+        attn = next((layer.self_attn for layer, k in zip(self.layers, self.kinds) if k == "attention"), None)
+        self.head_dim = attn.head_dim if attn is not None else 0
+        self.n_rep = attn.num_key_value_groups if attn is not None else 1
+        self.scaling = attn.scaling if attn is not None else 1.0
         self.n_kv = cfg.num_key_value_heads
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.conv: list[torch.Tensor] = []
+        """Per linear-attention layer, each row's last conv inputs `[B, C, K]` (`delta_net`)."""
+        self.rec: list[torch.Tensor] = []
+        """Per linear-attention layer, each row's recurrent state `[B, Hv, Dk, Dv]` (fp32)."""
         self.unmerged = None if base_only else _unmerged_adapter(self.causal)
         """The active adapter added unmerged to every row (its dtype is not the base's), else None."""
         # Per layer: fused q|k|v and gate|up weights (a fused matmul gives bitwise the same
@@ -247,29 +292,38 @@ class LeanDecoder:
         # An adapter on the embedding cannot run per row here (the output layer's can: `_head`).
         if base_only and type(self.embed) is not torch.nn.Embedding:
             return None
-        norm_type = self.arch.family.norm
+        family = self.arch.family
+        norm_type, centered = family.norm, family.centered_norm
         self.groups = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+        for layer, kind in zip(self.layers, self.kinds):
+            mlp = layer.mlp
             norms = [layer.input_layernorm, layer.post_attention_layernorm]
-            norms += [attn.q_norm, attn.k_norm] if self.arch.family.qk_norm else []
-            groups = ([attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj],
-                      [mlp.down_proj])
+            mixer = None
+            if kind == "linear_attention":  # in_proj q|k|v, z, b, a as the layer's first fused group
+                lin = layer.linear_attn
+                mixer = delta_net.DeltaNet.of(lin)
+                first = ([lin.in_proj_qkv, lin.in_proj_z, lin.in_proj_b, lin.in_proj_a], [lin.out_proj])
+            else:
+                attn = layer.self_attn
+                norms += [attn.q_norm, attn.k_norm] if family.qk_norm else []
+                first = ([attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj])
+            groups = (*first, [mlp.gate_proj, mlp.up_proj], [mlp.down_proj])
             self.groups.append(groups)
             qkv, o, gate_up, down = (_fuse(g, base_only) for g in groups)
             if any(type(n).__name__ != norm_type for n in norms) or None in (qkv, o, gate_up, down):
                 return None
+            if kind == "linear_attention" and mixer is None:
+                return None
             qk_norm, qk_eps = None, 0.0
-            if self.arch.family.qk_norm:  # one norm over q and k heads side by side: the same floats
-                n_q = attn.q_proj.out_features // self.head_dim
-                qk_norm = torch.cat([attn.q_norm.weight.expand(n_q, -1), attn.k_norm.weight.expand(self.n_kv, -1)])
-                qk_eps = attn.q_norm.variance_epsilon
-                if attn.k_norm.variance_epsilon != qk_eps:
+            if family.qk_norm and kind == "attention":  # one norm over q and k heads side by side: the same floats
+                n_q = attn.q_proj.out_features // self.head_dim // (2 if family.attn_gate else 1)
+                (q_w, qk_eps), (k_w, k_eps) = (_norm_params(n, centered) for n in (attn.q_norm, attn.k_norm))
+                qk_norm = torch.cat([q_w.expand(n_q, -1), k_w.expand(self.n_kv, -1)])
+                if k_eps != qk_eps:
                     return None
-            fused.append(FusedLayer(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv, o,
-                                    layer.post_attention_layernorm.weight,
-                                    layer.post_attention_layernorm.variance_epsilon, gate_up,
-                                    mlp.gate_proj.out_features, mlp.act_fn, down, qk_norm, qk_eps))
+            (n1, eps1), (n2, eps2) = (_norm_params(n, centered) for n in norms[:2])
+            fused.append(FusedLayer(n1, eps1, qkv, o, n2, eps2, gate_up, mlp.gate_proj.out_features, mlp.act_fn, down,
+                                    qk_norm, qk_eps, mixer))
         head = _fuse([self.lm_head], base_only)
         if head is None or type(self.norm).__name__ != norm_type:
             return None
@@ -286,12 +340,18 @@ class LeanDecoder:
         B, L = input_BL.shape
         if self.unmerged and self.adapters is not None:  # None: the modules' own step (`fused` is None)
             self.adapters.set_rows([0] * B)
-        cache = DynamicCache()
+        # a hybrid model's cache needs its config: its linear-attention layers keep states, not keys
+        # (a windowed family's must not have it: it would keep only the window's keys)
+        cache = DynamicCache(config=self.causal.config) if self.hybrid else DynamicCache()
         out = self.causal(input_ids=input_BL, attention_mask=mask_BL, position_ids=positions_BL,
                           cache=cache, use_cache=True, logits_to_keep=1)
         S = L + max_new_tokens
-        self.keys, self.values = [], []
-        for layer in cache.layers[: len(self.layers)]:
+        self.keys, self.values, self.conv, self.rec = [], [], [], []
+        for layer, kind in zip(cache.layers[: len(self.layers)], self.kinds):
+            if kind == "linear_attention":
+                self.conv.append(layer.conv_states[0])
+                self.rec.append(layer.recurrent_states[0])
+                continue
             k = layer.keys.new_empty((B, self.n_kv, S, self.head_dim))
             v = torch.empty_like(k)
             k[:, :, :L] = layer.keys
@@ -324,13 +384,17 @@ class LeanDecoder:
         if self.unmerged:
             self.adapters.set_rows([0] * B)
         lens = mask_BL.sum(1).tolist()
-        T = max(n - (h[1] if h else 0) for n, h in zip(lens, hits))  # new columns L-T..L-1
+        news = [n - (h[1] if h else 0) for n, h in zip(lens, hits)]
+        T = max(news)  # new columns L-T..L-1
         S = L + max_new_tokens
         self.keys = [input_BL.new_zeros((B, self.n_kv, S, self.head_dim), dtype=self.head[0].dtype)
-                     for _ in self.layers]
+                     for _ in range(self.kinds.count("attention"))]
         self.values = [torch.zeros_like(k) for k in self.keys]
+        self._initial_states(hits, store)
         for i, (n, hit) in enumerate(zip(lens, hits)):
-            n_copy = n - T  # cached tokens left of the new block
+            # cached tokens left of the new block; a hybrid row keeps all of them (its linear state
+            # is the one at its hit's end), the block's columns left of its new tokens are then dead
+            n_copy = (hit[1] if hit else 0) if self.hybrid else n - T
             if hit is None or n_copy <= 0:
                 continue
             j, _ = hit
@@ -338,27 +402,78 @@ class LeanDecoder:
             for dst_k, dst_v, src_k, src_v in zip(self.keys, self.values, store.keys, store.values):
                 dst_k[i, :, L - n: L - n + n_copy] = src_k[j, :, src: src + n_copy]
                 dst_v[i, :, L - n: L - n + n_copy] = src_v[j, :, src: src + n_copy]
+        live_BT = None
+        if self.hybrid:  # each row's own new tokens: the last `news[i]` columns of the block
+            live_BT = (torch.arange(T, device=input_BL.device)[None, :]
+                       >= T - torch.tensor(news, device=input_BL.device)[:, None])
         masks = self._block_masks(mask_BL, T)
         h = self.embed(input_BL[:, L - T:])  # [B, T, H]
         cos, sin = self.rotary(h, positions_BL[:, L - T:])
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, D]
-        D, n_rep, n_kv = self.head_dim, self.n_rep, self.n_kv
-        n_heads = n_kv * n_rep
-        for li, (f, k_buf, v_buf) in enumerate(zip(self.fused, self.keys, self.values)):
-            qk, v = self._qk_v(rms_norm(h, f.norm1, f.eps1), f, li, cos, sin)  # [B, T, n_heads + n_kv, D]
-            k_buf[:, :, L - T: L] = qk[:, :, n_heads:].transpose(1, 2)
-            v_buf[:, :, L - T: L] = v.transpose(1, 2)
-            keys, values = k_buf[:, :, :L], v_buf[:, :, :L]
-            if n_rep > 1:
-                keys = keys[:, :, None].expand(B, n_kv, n_rep, L, D).reshape(B, n_heads, L, D)
-                values = values[:, :, None].expand(B, n_kv, n_rep, L, D).reshape(B, n_heads, L, D)
-            o = attention(qk[:, :, :n_heads].transpose(1, 2), keys, values, masks[self.windows[li]], self.scaling,
-                          self.invariant)
-            h = h + self._lin(o.transpose(1, 2).reshape(B, T, -1), f.o, li, 1)
-            h = h + self._mlp(rms_norm(h, f.norm2, f.eps2), f, li)
-        x = rms_norm(h[:, -1], self.norm.weight, self.norm.variance_epsilon)
+        for li, f in enumerate(self.fused):
+            x = self._rms(h, f.norm1, f.eps1)
+            if self.kinds[li] == "attention":
+                h = h + self._attend_block(x, f, li, cos, sin, masks, L, live_BT)
+            else:
+                h = h + self._delta(x, f, li, live_BT)
+            h = h + self._mlp(self._rms(h, f.norm2, f.eps2), f, li)
+        x = self._rms(h[:, -1], *self.final_norm)
         self._setup(mask_BL, positions_BL, max_new_tokens, x.dtype)
         return self._head(x)
+
+    def _initial_states(self, hits: list[tuple[int, int] | None], store: PromptStore | None) -> None:
+        """Each linear-attention layer's conv and recurrent states of the rows before their new
+        tokens: the stored prompt's they extend (`hits`), else a fresh row's (zeros)."""
+        self.conv, self.rec = [], []
+        dtype, device = self.embed.weight.dtype, self.embed.weight.device
+        for f in self.fused:
+            if f.mixer is None:
+                continue
+            conv, rec = f.mixer.empty_states(len(hits), dtype, device)
+            slot = len(self.conv)
+            for i, hit in enumerate(hits):
+                if hit is not None:
+                    conv[i] = store.states["conv"][slot][hit[0]]
+                    rec[i] = store.states["rec"][slot][hit[0]]
+            self.conv.append(conv)
+            self.rec.append(rec)
+
+    def _attend_block(self, x: torch.Tensor, f: FusedLayer, li: int, cos: torch.Tensor, sin: torch.Tensor,
+                      masks: dict, L: int, live_BT: torch.Tensor | None) -> torch.Tensor:
+        """An attention layer over the block's T columns `x` `[B, T, H]` (its keys and values
+        written to columns L-T..L-1, except dead ones: `live_BT`), before the residual add."""
+        B, T, _ = x.shape
+        D, n_rep, n_kv = self.head_dim, self.n_rep, self.n_kv
+        n_heads = n_kv * n_rep
+        k_buf, v_buf = self.keys[self.slots[li]], self.values[self.slots[li]]
+        qk, v, gate = self._qk_v(x, f, li, cos, sin)  # [B, T, n_heads + n_kv, D]
+        k_new, v_new = qk[:, :, n_heads:].transpose(1, 2), v.transpose(1, 2)
+        if live_BT is not None:  # dead columns keep the keys and values copied from the store
+            live = live_BT[:, None, :, None]
+            k_new, v_new = torch.where(live, k_new, k_buf[:, :, L - T: L]), torch.where(live, v_new, v_buf[:, :, L - T: L])
+        k_buf[:, :, L - T: L] = k_new
+        v_buf[:, :, L - T: L] = v_new
+        keys, values = k_buf[:, :, :L], v_buf[:, :, :L]
+        if n_rep > 1:
+            keys = keys[:, :, None].expand(B, n_kv, n_rep, L, D).reshape(B, n_heads, L, D)
+            values = values[:, :, None].expand(B, n_kv, n_rep, L, D).reshape(B, n_heads, L, D)
+        o = attention(qk[:, :, :n_heads].transpose(1, 2), keys, values, masks[self.windows[li]], self.scaling,
+                      self.invariant)
+        o = o.transpose(1, 2).reshape(B, T, -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self._lin(o, f.o, li, 1)
+
+    def _delta(self, x: torch.Tensor, f: FusedLayer, li: int, live_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """A Gated DeltaNet layer on `x` `[B, T, H]` (`delta_net.mix`), before the residual add;
+        its rows' conv and recurrent states advance."""
+        slot = self.slots[li]
+        if live_BT is not None:  # transformers zeroes padding's input to these layers
+            x = x * live_BT[..., None].to(x.dtype)
+        proj = self._lin(x, f.qkv, li, 0)
+        o, self.conv[slot], self.rec[slot] = delta_net.mix(f.mixer, proj, self.conv[slot], self.rec[slot], live_BT,
+                                                           rowwise=self.invariant)
+        return self._lin(o, f.o, li, 1)
 
     def _block_masks(self, mask_BL: torch.Tensor, T: int) -> dict[int | None, torch.Tensor]:
         """Per window (None: none), which of the L columns each of the last T columns' queries
@@ -380,15 +495,35 @@ class LeanDecoder:
 
     def _qk_v(self, x: torch.Tensor, f: FusedLayer, li: int, cos: torch.Tensor, sin: torch.Tensor):
         """q and k heads side by side, normed where the family says and rotated, `[..., n_q + n_kv, D]`,
-        and the v heads `[..., n_kv, D]`, of `x` `[..., H]` (`cos`/`sin` broadcast over heads)."""
-        D = self.head_dim
-        n_qk = self.n_kv * (self.n_rep + 1)
+        the v heads `[..., n_kv, D]`, and the output gate `[..., n_q * D]` (None unless the family
+        gates: Qwen3.5's q_proj gives `[q_h, gate_h]` per head) of `x` `[..., H]` (`cos`/`sin`
+        broadcast over heads)."""
+        D, n_kv = self.head_dim, self.n_kv
+        n_q = n_kv * self.n_rep
         qkv = self._lin(x, f.qkv, li, 0)
         lead = qkv.shape[:-1]
-        qk = qkv[..., : n_qk * D].view(*lead, n_qk, D)
+        gate = None
+        if self.arch.family.attn_gate:
+            q_gate = qkv[..., : 2 * n_q * D].view(*lead, n_q, 2 * D)
+            gate = q_gate[..., D:].reshape(*lead, n_q * D)
+            k = qkv[..., 2 * n_q * D: (2 * n_q + n_kv) * D].view(*lead, n_kv, D)
+            qk = torch.cat([q_gate[..., :D], k], dim=-2)
+            v = qkv[..., (2 * n_q + n_kv) * D:].view(*lead, n_kv, D)
+        else:
+            qk = qkv[..., : (n_q + n_kv) * D].view(*lead, n_q + n_kv, D)
+            v = qkv[..., (n_q + n_kv) * D:].view(*lead, n_kv, D)
         if f.qk_norm is not None:
-            qk = rms_norm(qk, f.qk_norm, f.qk_eps)
-        return (qk * cos) + (rotate_half(qk) * sin), qkv[..., n_qk * D:].view(*lead, self.n_kv, D)
+            qk = self._rms(qk, f.qk_norm, f.qk_eps)
+        return self._rotate(qk, cos, sin), v, gate
+
+    @staticmethod
+    def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The rotary on the first `cos.shape[-1]` dims of each head (all of them but for a partial rotary)."""
+        r = cos.shape[-1]
+        if r == qk.shape[-1]:
+            return (qk * cos) + (rotate_half(qk) * sin)
+        rot = qk[..., :r]
+        return torch.cat([(rot * cos) + (rotate_half(rot) * sin), qk[..., r:]], dim=-1)
 
     def _mlp(self, x: torch.Tensor, f: FusedLayer, li: int) -> torch.Tensor:
         gate, up = self._lin(x, f.gate_up, li, 2).split([f.inter, f.inter], dim=-1)
@@ -420,13 +555,17 @@ class LeanDecoder:
     def store(self, prompts: list[tuple[int, ...]], fingerprint: tuple) -> PromptStore:
         """The prompts' keys and values of the last prefill (decoding writes only later columns)."""
         return PromptStore(self.keys, self.values, self.col, [len(p) for p in prompts],
-                           {p: i for i, p in enumerate(prompts)}, fingerprint)
+                           {p: i for i, p in enumerate(prompts)}, fingerprint, self.states())
+
+    def states(self) -> dict[str, list[torch.Tensor]]:
+        """The linear-attention layers' per-row states now, for a `PromptStore` (copies of the
+        lists: a step replaces their tensors, it never writes into them)."""
+        return {"conv": list(self.conv), "rec": list(self.rec)} if self.hybrid else {}
 
     def _per_row(self) -> dict[str, list[torch.Tensor]]:
         """Every per-row tensor of the batch's state (batch first), by name: what `select`
-        drops and repeats. A layer kind with other state (a recurrent and a conv state) adds
-        its lists here and `select` carries them with the keys and values."""
-        return {"keys": self.keys, "values": self.values}
+        drops and repeats (a Gated DeltaNet layer's conv and recurrent states with the keys and values)."""
+        return {"keys": self.keys, "values": self.values, "conv": self.conv, "rec": self.rec}
 
     def select(self, keep_idx: torch.Tensor) -> None:
         """Keep (or repeat) the rows `keep_idx`: a copy of the cache, call it rarely."""
@@ -442,28 +581,39 @@ class LeanDecoder:
     def step(self, tok_B: torch.Tensor, t: int) -> torch.Tensor:
         """Feed token `tok_B` as generated token number `t` (0-based); return next logits `[B, V]`."""
         col = self.col + t
-        B = tok_B.shape[0]
-        D, n_rep, n_kv = self.head_dim, self.n_rep, self.n_kv
         cos = self.cos_BTD[:, t:t + 1].unsqueeze(1)  # [B, 1, 1, D]: broadcast over heads
         sin = self.sin_BTD[:, t:t + 1].unsqueeze(1)
         mask = self.mask_B11S[..., : col + 1]
         h = self.embed(tok_B[:, None])  # [B, 1, H]
         if self.fused is None:
             return self._step_modules(h, cos, sin, mask, col)
-        n_heads = n_kv * n_rep
-        for li, (f, k_buf, v_buf, w) in enumerate(zip(self.fused, self.keys, self.values, self.windows)):
-            qk, v = self._qk_v(rms_norm(h, f.norm1, f.eps1), f, li, cos, sin)  # [B, 1, n_heads + n_kv, D]
-            k_buf[:, :, col] = qk[:, 0, n_heads:]
-            v_buf[:, :, col] = v[:, 0]
-            lo = 0 if w is None else max(0, col + 1 - w)  # a sliding window: its last `w` columns
-            # one query token: transformers packs the heads of a group as queries (GQA)
-            q = qk[:, 0, :n_heads].reshape(B, n_kv, n_rep, D) if n_rep > 1 else qk[:, 0, :n_heads, None]
-            o = attention(q, k_buf[:, :, lo: col + 1], v_buf[:, :, lo: col + 1], mask[..., lo:], self.scaling,
-                          self.invariant)
-            h = h + self._lin(o.reshape(B, 1, -1), f.o, li, 1)
-            h = h + self._mlp(rms_norm(h, f.norm2, f.eps2), f, li)
-        x = rms_norm(h[:, -1], self.norm.weight, self.norm.variance_epsilon)
+        for li, f in enumerate(self.fused):
+            x = self._rms(h, f.norm1, f.eps1)
+            if self.kinds[li] == "attention":
+                h = h + self._attend_step(x, f, li, cos, sin, mask, col)
+            else:
+                h = h + self._delta(x, f, li)
+            h = h + self._mlp(self._rms(h, f.norm2, f.eps2), f, li)
+        x = self._rms(h[:, -1], *self.final_norm)
         return self._head(x)
+
+    def _attend_step(self, x: torch.Tensor, f: FusedLayer, li: int, cos: torch.Tensor, sin: torch.Tensor,
+                     mask: torch.Tensor, col: int) -> torch.Tensor:
+        """An attention layer for one new token per row `x` `[B, 1, H]` at cache column `col`."""
+        B, D, n_rep, n_kv = x.shape[0], self.head_dim, self.n_rep, self.n_kv
+        n_heads = n_kv * n_rep
+        k_buf, v_buf, w = self.keys[self.slots[li]], self.values[self.slots[li]], self.windows[li]
+        qk, v, gate = self._qk_v(x, f, li, cos, sin)  # [B, 1, n_heads + n_kv, D]
+        k_buf[:, :, col] = qk[:, 0, n_heads:]
+        v_buf[:, :, col] = v[:, 0]
+        lo = 0 if w is None else max(0, col + 1 - w)  # a sliding window: its last `w` columns
+        # one query token: transformers packs the heads of a group as queries (GQA)
+        q = qk[:, 0, :n_heads].reshape(B, n_kv, n_rep, D) if n_rep > 1 else qk[:, 0, :n_heads, None]
+        o = attention(q, k_buf[:, :, lo: col + 1], v_buf[:, :, lo: col + 1], mask[..., lo:], self.scaling,
+                      self.invariant).reshape(B, 1, -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self._lin(o, f.o, li, 1)
 
     def _head(self, x_BH: torch.Tensor) -> torch.Tensor:
         """The output layer's logits `[B, V]`: the base weight once over every row, then each

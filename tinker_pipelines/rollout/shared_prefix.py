@@ -1,7 +1,8 @@
 """The prompts' common start (a system prompt, a task's instructions), prefilled once.
 
 When every prompt of a batch begins with the same tokens, the sampler runs them through the
-model once per adapter and copies their keys and values into each row's cache; the logprobs then
+model once per adapter and copies their keys and values (a hybrid model's linear-attention layers:
+their conv and recurrent states at the prefix's end) into each row's cache; the logprobs then
 differ from a full prefill's by float rounding (~1e-5 on SmolLM2; greedy tokens still equal
 `generate`'s).
 """
@@ -56,5 +57,5 @@ def prefill_shared_prefix(decoder: LeanDecoder, prompts: list[tuple[int, ...]], 
         decoder.adapters.set_rows(adapters)
         decoder.prefill_reusing(input_PL, mask_PL, positions_PL, 0, None, [None] * len(adapters))
         decoder.adapters.set_rows(row_adapter)
-    store = PromptStore(decoder.keys, decoder.values, n, [n] * len(adapters), {}, fingerprint)
+    store = PromptStore(decoder.keys, decoder.values, n, [n] * len(adapters), {}, fingerprint, decoder.states())
     return store, [(adapters.index(a), n) for a in row_adapter]

@@ -12,6 +12,10 @@ Parts (all on this machine, on `--device` in `--dtype`):
   16 rows (its merged-weight decode, what a single experiment gets) vs PEFT's `adapter_names`
   mixed batch through HF `generate` on the same batch; tokens/s of the fastest of
   `--sampling-reps` (6) calls each, interleaved.
+- sampling with adapters of mixed ranks (`mixed_ranks_part`): 8 adapters of ranks 4 to 64 x 2
+  rows each in one mixed batch vs the same 16 rows of one rank-8 adapter alone (its merged-weight
+  decode), fastest of `--sampling-reps` interleaved calls; also vs that adapter's 16 rows alone
+  through the mixed-adapter decoder (what a lone experiment gets on a worker).
 - a worker with 1 experiment vs a worker with 4 experiments (different seeds) running their RL
   iterations concurrently (one client thread each): peak RSS of each worker, aggregate tokens/s
   (sampled plus trained), and each experiment's per-iteration metrics against its solo run (with
@@ -25,7 +29,10 @@ Parts (all on this machine, on `--device` in `--dtype`):
   The training gain is noisy on 2 CPU cores (0.85-1.31x measured); above 1 it is room that
   shared training passes (`--max-train-rows`) could use.
 
-Last line: JSON with memory_ratio, sampling_ratio, peft_sampling_ratio, aggregate_ratio,
+`--only-sampling` runs the two sampling parts alone (their keys only).
+
+Last line: JSON with memory_ratio, sampling_ratio, sampling_ratio_mixed_ranks
+(goal >= 0.8), sampling_ratio_mixed_ranks_vs_unmerged, peft_sampling_ratio, aggregate_ratio,
 aggregate_ceiling, ceiling_sampling_gain, ceiling_training_gain, identical, identical_exact,
 identical_exact_unbatched, separate_processes_memory_ratio.
 """
@@ -219,6 +226,61 @@ def sampling_part(model_name: str, rows: int = 16, tokens: int = 32, reps: int =
     return tps
 
 
+MIXED_RANKS = (4, 8, 12, 16, 24, 32, 48, 64)
+"""The adapters' ranks in `mixed_ranks_part` (lora_alpha = 2 x rank, as the Tinker service sets it)."""
+
+
+def mixed_ranks_part(model_name: str, rows: int = 16, tokens: int = 32, reps: int = 6) -> dict:
+    """Tokens/s of one mixed batch of 8 adapters of `MIXED_RANKS` (rows / 8 rows each) vs the
+    same rows of one rank-8 adapter alone: merged into the weights (`solo`, what `sampling_part`
+    compares with) and through the mixed-adapter decoder (`solo_unmerged`); fastest of `reps`
+    interleaved calls each. Every row decodes `tokens` tokens (no stop tokens)."""
+    from peft import LoraConfig, get_peft_model
+
+    from tinker_pipelines.models import encode_chat, load_model
+    from tinker_pipelines.rollout.sampler import Sampler, SampleRequest
+
+    model, tok = load_model(model_name, device=DEVICE, dtype=DTYPE)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    names = [f"r{r}" for r in MIXED_RANKS]
+    peft = None
+    for n, r in zip(names, MIXED_RANKS):
+        cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets)
+        peft = get_peft_model(model, cfg, adapter_name=n) if peft is None else (peft.add_adapter(n, cfg) or peft)
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 1e-3)
+    peft.eval()
+    prompts = [encode_chat(tok, [{"role": "user", "content": f"Repeat this: {1000 + 37 * i}"}]) for i in range(rows)]
+    sampler = Sampler(peft, tok.pad_token_id, [])
+    per = rows // len(names)
+    solo_name = names[MIXED_RANKS.index(8)]
+
+    def mixed():
+        return sampler.sample_requests([SampleRequest(prompts[i * per:(i + 1) * per], tokens, 1.0,
+                                                      torch.Generator().manual_seed(i), n) for i, n in enumerate(names)])
+
+    def solo():
+        peft.set_adapter(solo_name)
+        return sampler.sample(prompts, tokens, 1.0, torch.Generator().manual_seed(0))
+
+    def solo_unmerged():
+        return sampler.sample_requests([SampleRequest(prompts, tokens, 1.0, torch.Generator().manual_seed(0),
+                                                      solo_name)])
+
+    modes = (("mixed", mixed), ("solo", solo), ("solo_unmerged", solo_unmerged))
+    times: dict[str, list[float]] = {k: [] for k, _ in modes}
+    for _, fn in modes:  # warm-up (fused weights, checked forms)
+        fn()
+    for _ in range(reps):
+        for key, fn in modes:
+            t = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t)
+    return {k: rows * tokens / min(v) for k, v in times.items()}
+
+
 def ceiling_part(model_name: str, out: Path, reps: int = 3) -> dict:
     """What an ideal sharing of one base would gain on this device, measured: the work of N_EXP
     experiments' iterations done as N_EXP separate calls vs as one call over all their rows, on
@@ -310,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sampling-reps", type=int, default=6,
                         help="interleaved timed calls per sampling mode (the fastest counts)")
+    parser.add_argument("--only-sampling", action="store_true",
+                        help="run the sampling parts alone (no workers, no experiments)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--env", choices=["arithmetic", "reply_length"], default="arithmetic",
                         help="the experiments' environment (reply_length: rewards vary for a random-weight model)")
@@ -336,6 +400,19 @@ def main(argv: list[str] | None = None) -> int:
           f"worker logs in {out}")
 
     tps = sampling_part(args.model, reps=args.sampling_reps)
+    ranks_tps = mixed_ranks_part(args.model, reps=args.sampling_reps)
+    ranks_keys = {"sampling_ratio_mixed_ranks": round(ranks_tps["mixed"] / ranks_tps["solo"], 3),
+                  "sampling_ratio_mixed_ranks_vs_unmerged": round(ranks_tps["mixed"] / ranks_tps["solo_unmerged"], 3)}
+    if args.only_sampling:
+        print(f"sampling: 4 adapters x 4 rows, mixed batch {tps['mixed']:.1f} tok/s; 1 adapter x 16 rows (merged) "
+              f"{tps['single']:.1f} tok/s; PEFT {tps['peft']:.1f} tok/s")
+        print(f"sampling: 8 adapters of ranks {MIXED_RANKS[0]}-{MIXED_RANKS[-1]} x 2 rows {ranks_tps['mixed']:.1f} "
+              f"tok/s; rank 8 x 16 rows merged {ranks_tps['solo']:.1f}, unmerged {ranks_tps['solo_unmerged']:.1f} tok/s")
+        print(json.dumps({"sampling_ratio": round(tps["mixed"] / tps["single"], 3),
+                          "peft_sampling_ratio": round(tps["peft"] / tps["single"], 3), **ranks_keys,
+                          "model": args.model, "dtype": DTYPE, "device": DEVICE,
+                          "load_avg_end": round(os.getloadavg()[0], 2)}))
+        return 0
     ceiling = ceiling_part(args.model, out)
     workers = {}
     try:
@@ -383,6 +460,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [("sampling: 4 adapters x 4 rows, mixed batch", f"{tps['mixed']:.1f} tok/s"),
             ("sampling: 1 adapter x 16 rows (merged)", f"{tps['single']:.1f} tok/s"),
             ("sampling: PEFT adapter_names + generate", f"{tps['peft']:.1f} tok/s"),
+            (f"sampling: 8 adapters of ranks {MIXED_RANKS[0]}-{MIXED_RANKS[-1]} x 2 rows, mixed batch",
+             f"{ranks_tps['mixed']:.1f} tok/s"),
+            ("sampling: 1 rank-8 adapter x 16 rows, merged / unmerged",
+             f"{ranks_tps['solo']:.1f} / {ranks_tps['solo_unmerged']:.1f} tok/s"),
             ("worker, 1 experiment at a time: peak RSS", f"{solo_rss:.0f} MB"),
             ("worker, 4 experiments at once: peak RSS", f"{shared_rss:.0f} MB"),
             ("4 separate processes: peak RSS summed", f"{separate_rss:.0f} MB"),
@@ -401,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
     print(json.dumps({"memory_ratio": round(shared_rss / solo_rss, 3),
-                      "sampling_ratio": round(tps["mixed"] / tps["single"], 3),
+                      "sampling_ratio": round(tps["mixed"] / tps["single"], 3), **ranks_keys,
                       "peft_sampling_ratio": round(tps["peft"] / tps["single"], 3),
                       "aggregate_ratio": round(shared_tps / solo_tps, 3),
                       "aggregate_ceiling": round(ceiling["aggregate_ceiling"], 3),

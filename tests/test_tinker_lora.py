@@ -87,7 +87,7 @@ def test_an_unembed_adapter_decodes_in_the_mixed_batch(dtype):
     decoder = sampler._mixed_decoder()
     assert decoder.set_adapters(["u", "p"], [0, 1])  # the output layer's delta is per row, not a refusal
     n_layers = len(decoder.layers)
-    assert decoder.adapters.factors(n_layers, 0)[3][0][0].shape[0] == 4  # only u has lm_head LoRA (rank 4)
+    assert decoder.adapters.ranks(n_layers, 0) == {0: 4}  # only u has lm_head LoRA (rank 4)
     together = sampler.sample_each([req("u", 1), req("p", 2), req("p", 3)])
     assert sampler.counts == {"mixed_batches": 1, "mixed_batch_errors": 0}
     alone = [sampler.sample_requests([r])[0] for r in (req("u", 1), req("p", 2), req("p", 3))]

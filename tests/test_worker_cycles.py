@@ -1,5 +1,6 @@
 """The worker's cycles keep experiments' samples together: a `sample` call that meets other
-clients' other calls is held until those clients sample too (at most `MAX_HOLDS` cycles)."""
+clients' other calls is held until those clients sample too (at most `MAX_HOLDS` cycles, and
+no later than `MAX_HELD_S` after its first hold)."""
 
 import threading
 from dataclasses import asdict
@@ -57,7 +58,13 @@ def test_a_sample_waits_for_a_client_busy_with_another_call(server):
 
 
 @pytest.mark.parametrize("server", [5.0], indirect=True)
-def test_a_sample_is_held_at_most_max_holds_cycles(server):
+@pytest.mark.parametrize("held_s", [60.0, 0.0], ids=["by cycles", "by time"])
+def test_a_sample_is_held_at_most_max_holds_cycles(server, held_s, monkeypatch):
+    """At most `MAX_HOLDS` cycles, and none that start `MAX_HELD_S` after its first hold (0 here:
+    the cycle after its first hold runs it)."""
+    import tinker_pipelines.worker.server as server_mod
+
+    monkeypatch.setattr(server_mod, "MAX_HELD_S", held_s)
     a, b = WorkerClient(server.address), WorkerClient(server.address)
     a.create("a", LEARNER, seed=1)
     started, stop = threading.Event(), threading.Event()
@@ -80,7 +87,8 @@ def test_a_sample_is_held_at_most_max_holds_cycles(server):
     tb.join(30)
     assert not ta.is_alive()
     waited = _cycle_of(server, "sample:a") - before  # cycles of b's alone while a's sample was held
-    assert MAX_HOLDS <= waited <= MAX_HOLDS + 1, list(server.cycles)
+    holds = MAX_HOLDS if held_s else 1
+    assert holds <= waited <= holds + 1, list(server.cycles)
     a.close(), b.close()
 
 

@@ -539,15 +539,9 @@ class LeanDecoder:
     def _lin(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None], layer: int,
              group: int) -> torch.Tensor:
         """The fused linear `wb` on `x` [B, ..., in], plus each row's own adapter delta (a
-        base-only decoder): the base matmul runs once over every row. Adapters in another dtype
-        than the base add their delta after the base product, as PEFT does (`dtypes`)."""
-        if self.adapters is not None and self.adapters.dtype not in (None, x.dtype):
-            y = invariant_linear(x, *wb) if self.invariant else rows_linear(x, *wb)
-            self.adapters.add_delta_upcast(y, x, layer, group)
-            return y
-        if self.invariant:
-            return invariant_linear(x, *wb, lora=self.adapters.factors(layer, group) if self.adapters else None)
-        y = rows_linear(x, *wb)
+        base-only decoder): the base matmul runs once over every row, then each row adds its own
+        adapter's delta only (`RowAdapters.add_delta`: in the adapters' dtype, as PEFT does)."""
+        y = invariant_linear(x, *wb) if self.invariant else rows_linear(x, *wb)
         if self.adapters is not None:
             self.adapters.add_delta(y, x, layer, group)
         return y
@@ -619,11 +613,11 @@ class LeanDecoder:
         """The output layer's logits `[B, V]`: the base weight once over every row, then each
         row's own adapter delta where its adapter has LoRA there (Tinker's `train_unembed`, the
         SDK's default). The delta is added after the base product as PEFT adds it (in the
-        adapters' dtype, rounded once: `add_delta_upcast`), so on CPU each adapter's products
-        are its own `invariant_linear`s and a row's logits do not depend on its batch."""
+        adapters' dtype, rounded once: `RowAdapters.add_delta`), batch-invariant on CPU as
+        every linear's, so a row's logits do not depend on its batch."""
         y_BV = blocked_linear(x_BH, *self.head, invariant=self.invariant)
         if self.adapters is not None:
-            self.adapters.add_delta_upcast(y_BV, x_BH, len(self.layers), 0)
+            self.adapters.add_delta(y_BV, x_BH, len(self.layers), 0)
         return y_BV
 
     def _step_modules(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,

@@ -15,8 +15,10 @@ few samples with other clients' training calls, and the mixed batches stay small
 multi_lora`'s trace: two samples per cycle of four clients). So a cycle that has both `sample`
 calls and other clients' other calls runs the others and holds its samples (`hold_s`): the next
 cycle waits up to `hold_s` for those clients' next calls, and their samples join the held ones
-in one batch. A sample is held only in a cycle that has other work to run, and at most
-`MAX_HOLDS` cycles; each wait after such a cycle leaves the device idle for `hold_s` at most. The
+in one batch. A sample is held only in a cycle that has other work to run, at most
+`MAX_HOLDS` cycles and no later than `MAX_HELD_S` after its first hold (cycles of other clients'
+training can be long: on a busy CPU four of them held samples past a minute); each wait after such
+a cycle leaves the device idle for `hold_s` at most. The
 numbers are the same either way (each row's samples do not depend on its batch).
 """
 
@@ -57,6 +59,8 @@ def key_path(address: str | Path) -> Path:
 
 MAX_HOLDS = 4
 """Most cycles a `sample` call is held for other clients' samples to join it."""
+MAX_HELD_S = 5.0
+"""A `sample` call first held this long ago runs in the next cycle, however few cycles held it."""
 _NOT_WORK = (Op.SHUTDOWN, Op.STATS)
 """Requests that do not mean their client will sample soon: they never hold samples."""
 _BATCHED = (Op.SAMPLE, Op.FORWARD_BACKWARD)
@@ -73,6 +77,8 @@ class _Item:
     reply: M.Reply | None = None
     done: threading.Event = field(default_factory=threading.Event)
     holds: int = 0
+    held_since: float | None = None
+    """When a cycle first held it (monotonic)."""
 
 
 class WorkerServer:
@@ -275,11 +281,14 @@ class WorkerServer:
         if not (self.engine.cfg.batching and self.hold_s > 0):
             return [], set()
         others = {i.client for i in batch if i.request is not None and M.op_of(i.request) not in (Op.SAMPLE, *_NOT_WORK)}
-        held = [i for i in batch if _op(i) == Op.SAMPLE and i.holds < MAX_HOLDS and i.client not in others]
+        now = time.monotonic()
+        held = [i for i in batch if _op(i) == Op.SAMPLE and i.holds < MAX_HOLDS and i.client not in others
+                and (i.held_since is None or now - i.held_since < MAX_HELD_S)]
         if not (held and others):
             return [], set()
         for i in held:
             i.holds += 1
+            i.held_since = now if i.held_since is None else i.held_since
         return held, others
 
     def _run(self, batch: list[_Item]) -> None:

@@ -143,3 +143,27 @@ def test_each_rank_takes_its_own_leased_device():
     assert "CUDA_VISIBLE_DEVICES" not in simulated and simulated["LOCAL_RANK"] == "1"
     with pytest.raises(RuntimeError, match="torchrun started 3 ranks for a lease of 2 devices"):
         apply_rank_device({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3", "TINKER_LEASE_DEVICES": "0,1"})
+
+
+def _joins_the_group(payload):
+    from tinker_pipelines.scheduler.ranks import check_in_ranked_body
+
+    check_in_ranked_body()
+    return "joined"
+
+
+def test_a_multi_rank_learner_outside_ranks_run_is_refused_not_hung(tmp_path, monkeypatch):
+    """The followers of a ranked step wait for `ranks.run`'s task: a body that joins a process
+    group of several ranks without it (the RL assets) would hang its first collective; it fails
+    at once naming training.devices, while `ranks.run`'s own target goes on."""
+    from tinker_pipelines.scheduler import ranks
+
+    monkeypatch.setenv(ranks.RANK_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match=r"^training.devices: this step runs on 2 ranks, but its body does not call"):
+        ranks.check_in_ranked_body()
+    assert ranks.run(f"{__name__}:_joins_the_group", {}) == "joined"
+    assert (tmp_path / ranks.TASK_FILE).exists()  # the followers were given the same task
+    with pytest.raises(ValueError):  # and after it, outside run again
+        ranks.check_in_ranked_body()

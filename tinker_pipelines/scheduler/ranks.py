@@ -125,6 +125,21 @@ def _resolve(target: str) -> Callable[[dict[str, Any]], Any]:
     return getattr(importlib.import_module(module), name)
 
 
+_IN_RUN: list[str] = []
+"""The target `run` is calling in this process (a stack: empty outside `run`)."""
+
+
+def check_in_ranked_body(what: str = "this step") -> None:
+    """Refuse (ValueError, one line) to join a process group of several ranks outside `run`: the
+    other ranks wait for `run`'s task, so a body that builds a multi-rank learner itself (the RL
+    assets today) would hang its collective forever instead of failing."""
+    if os.environ.get(RANK_DIR_ENV) and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _IN_RUN:
+        raise ValueError(f"training.devices: {what} runs on {os.environ['WORLD_SIZE']} ranks, but its body does not "
+                         "call scheduler.ranks.run, so its other ranks never join (a ranked step's body is "
+                         "e.g. tinker_pipelines.loops.ranked:full_iteration; the RL job's assets lease one device "
+                         "per step: set training.devices: 1 there)")
+
+
 def run(target: str, payload: dict[str, Any]) -> Any:
     """Call `target` ('module:function') with `payload` (JSON-able) on every rank of this ranked
     step, rank 0's result returned here; outside a ranked step (one device) simply in this
@@ -136,6 +151,7 @@ def run(target: str, payload: dict[str, Any]) -> Any:
         tmp = Path(directory) / (TASK_FILE + ".tmp")
         tmp.write_text(json.dumps({"target": target, "payload": payload}))
         tmp.replace(Path(directory) / TASK_FILE)
+        _IN_RUN.append(target)
         try:
             return _resolve(target)(payload)
         except Exception as e:
@@ -144,6 +160,8 @@ def run(target: str, payload: dict[str, Any]) -> Any:
             if reason is None:
                 raise
             raise RuntimeError(reason) from e
+        finally:
+            _IN_RUN.pop()
     return _resolve(target)(payload)
 
 
@@ -160,7 +178,11 @@ def follow(rank_dir: Path) -> None:
         task = rank_dir / TASK_FILE
         if task.exists():
             spec = json.loads(task.read_text())
-            _resolve(spec["target"])(spec["payload"])
+            _IN_RUN.append(spec["target"])
+            try:
+                _resolve(spec["target"])(spec["payload"])
+            finally:
+                _IN_RUN.pop()
             return
         if (rank_dir / RELEASED_FILE).exists():
             return

@@ -91,7 +91,11 @@ def set_rank_device(requested: str = "auto") -> torch.device:
 def init_process_group(device: torch.device | None = None) -> torch.device:
     """Join torchrun's process group, or make a one-process group when not launched by torchrun
     (on `device`'s GPU when it is one); returns this rank's device, made current first (NCCL
-    binds each rank's communicator to the current GPU)."""
+    binds each rank's communicator to the current GPU). Inside a ranked Dagster step only from
+    the body `scheduler.ranks.run` calls (ValueError otherwise: the other ranks would never join)."""
+    from tinker_pipelines.scheduler.ranks import check_in_ranked_body
+
+    check_in_ranked_body()
     deepspeed = _deepspeed()
     from deepspeed.accelerator import get_accelerator
 

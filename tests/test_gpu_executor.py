@@ -152,7 +152,7 @@ def test_full_parameter_runs_ask_exclusive_and_bad_tags_name_the_tag():
 
 def test_lora_steps_reserve_their_runs_estimate_unless_the_tag_says_how_much():
     from tinker_pipelines.schedule_rules import LORA_STEP_TAGS
-    from tinker_pipelines.scheduler.placement import check_fits
+    from tinker_pipelines.scheduler.placement import cap_to_device, check_fits
     from tinker_pipelines.scheduler.executor import plan_step
 
     def run(model: dict, **training) -> dict:
@@ -165,6 +165,15 @@ def test_lora_steps_reserve_their_runs_estimate_unless_the_tag_says_how_much():
     with pytest.raises(ValueError, match=r"^step needs 26\.2 GB \(weights 0\.3, KV 0\.8, activations 25\.1, "
                                          r"adapter 0\.0\) on one device, but the largest device has 16 GB"):
         check_fits(needs, Inventory.from_config({"count": 2, "memory_gb": 16}), est)
+    # over the device by its batch alone (prompts assumed 512 tokens): a whole device, said in one line
+    capped, note = cap_to_device(needs, Inventory.from_config({"count": 2, "memory_gb": 16}), est)
+    assert capped.memory_gb == capped.resident_gb == 16 and capped.base == needs.base  # its batch alone is over 16
+    assert note.startswith("needs 26.2 GB (weights 0.3,") and "reserves a whole device" in note and "\n" not in note
+    assert cap_to_device(needs, Inventory.from_config({"count": 1, "memory_gb": 80}), est) == (needs, None)
+    tiny_device = Inventory.from_config({"count": 1, "memory_gb": 0.2})  # not even the weights fit: refused
+    assert cap_to_device(needs, tiny_device, est) == (needs, None)
+    with pytest.raises(ValueError, match="can never be placed"):
+        check_fits(needs, tiny_device, est)
     small, _ = plan_step(LORA_STEP_TAGS, run({"name": "smollm2-135m-instruct"}, micro_batch_size=8,
                                              gradient_checkpointing=True), "other_step")
     assert small.memory_gb < 2.5

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
@@ -39,7 +40,8 @@ from tinker_pipelines.scheduler.inventory import Inventory, InventoryError
 from tinker_pipelines.config import Config, config_from_dict
 from tinker_pipelines.models import model_config
 from tinker_pipelines.scheduler.estimate import PROMPT_TOKENS, Batch, MemoryEstimate, ModelShape, estimate_memory
-from tinker_pipelines.scheduler.placement import AUTO, TAG_PREFIX, StepNeeds, check_fits, needs_from_tags
+from tinker_pipelines.scheduler.placement import (AUTO, TAG_PREFIX, StepNeeds, cap_to_device, check_fits,
+                                                  needs_from_tags)
 from tinker_pipelines.scheduler.ranks import RANK_FAILED_EXIT, failure_reason, rank_dir_for
 from tinker_pipelines.scheduler.step_entry import NEVER_FITS_EXIT
 from tinker_pipelines.scheduler.step_launch import LAUNCHES, StepProcess, code_location, launch
@@ -160,6 +162,10 @@ class DeviceStepHandler(StepHandler):
         run_config = ctx.dagster_run.run_config or {}
         needs, estimate = plan_step(dict(ctx.step_tags[step_key]), run_config, step_key)
         if needs is not None:
+            needs, note = cap_to_device(needs, self.inventory, estimate)
+            if note:
+                ctx.instance.report_engine_event(f"step {step_key} {note}", ctx.dagster_run, step_key=step_key)
+                print(f"warning: step {step_key} {note}", file=sys.stderr, flush=True)
             try:  # never waits forever: a step that cannot fit fails now, before any model loads
                 check_fits(needs, self.inventory, estimate)
             except ValueError as e:

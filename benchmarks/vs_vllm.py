@@ -24,6 +24,10 @@ max tokens on both engines.
 Threads: by default each engine runs as its users run it: ours on every core, vLLM with its auto
 binding (one core kept for its scheduler process, one bound OpenMP thread per other core: on 2
 cores, 1 compute thread). `--threads N` gives both N (vLLM's bound to cores 0..N-1).
+
+vLLM's Qwen3.5 needs torchvision, which `.venv-vllm` has only where scripts/setup_vllm had a CPU
+index (`TORCH_INDEX_URL`); without it the `qwen3_5` runs fail with that reason and the rest go on.
+
 Last line: one JSON object: `ours_over_vllm` {model: {dtype: {batch: ratio}}}, `ours_tok_s` and
 `vllm_tok_s` of the same shape, `rows` (one per model, dtype and batch), `min_ratio`, `goal` (1.5),
 `goal_met`, `errors` {"model/dtype": message}, and the settings. A failed engine run is one
@@ -292,7 +296,8 @@ def run_engine(engine: str, spec_path: Path, args: argparse.Namespace) -> dict:
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{engine} took more than {args.timeout} s") from None
     if p.returncode != 0:
-        raise RuntimeError(f"{engine} exited {p.returncode}: {_last_error_line(p.stderr + p.stdout)}")
+        why = _last_error_line(p.stderr + p.stdout).removeprefix("error: ")
+        raise RuntimeError(f"{engine} exited {p.returncode}: {why}")
     try:
         return parse_result(p.stdout, engine)
     except ValueError as e:

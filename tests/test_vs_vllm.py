@@ -115,12 +115,12 @@ def test_bad_arguments_are_one_error_line(argv, message, capsys, tmp_path):
 def test_a_failing_engine_is_one_line_naming_it(tmp_path):
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\necho 'Traceback (most recent call last):' >&2\necho 'RuntimeError: no CPU' >&2\n"
-                    "exit 3\n")
+                    "echo 'error: the driver says why' >&2\nexit 3\n")
     fake.chmod(0o755)
     args = vs_vllm.parse_args(["--vllm-python", str(fake), "--work", str(tmp_path)])
     with pytest.raises(RuntimeError) as e:
         vs_vllm.run_engine("vllm", tmp_path / "spec.json", args)
-    assert str(e.value) == "vllm exited 3: RuntimeError: no CPU"
+    assert str(e.value) == "vllm exited 3: the driver says why"
 
 
 def test_vllm_without_torchvision_refuses_qwen35_before_it_starts(tmp_path, monkeypatch):

@@ -166,6 +166,11 @@ def test_a_killed_worker_fails_only_its_own_sessions_and_they_resume_from_their_
             in_flight.result(timeout=FAIL_BOUND_S)
         message = str(failed.value)
         assert f"the worker for {victim.label} died (signal 9, SIGKILL)" in message and paths[0] in message, message
+        import httpx  # the service still serves both bases: degraded, not down (a liveness probe must not restart it)
+
+        health = httpx.get(f"{handle.url}/api/v1/healthz", headers={"X-API-Key": KEY}, timeout=30)
+        assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+        assert list(health.json()["workers"]) == [victim.label]
 
         for tc in tcs[1:]:  # the other workers' sessions go on, untouched
             tc.forward_backward(DATA, "cross_entropy").result(timeout=FAIL_BOUND_S)

@@ -130,12 +130,13 @@ HEALTH_PROBE_S = 2.0
 
 
 async def healthz(request: Request) -> Any:
-    """200 `{"status": "ok"}` only while every worker answers (`Node.health`); else 503 in the
-    service's error shape with the reason (dead, hung, being restarted)."""
-    problem = await asyncio.to_thread(_svc(request).node.health, HEALTH_PROBE_S)
+    """200 `{"status": "ok"}` while every worker answers, `{"status": "degraded", "workers":
+    {label: reason}}` while some do not but every base has one that does (`Node.health`); else
+    503 in the service's error shape with the reason (dead, hung, being restarted)."""
+    problem, down = await asyncio.to_thread(_svc(request).node.health, HEALTH_PROBE_S)
     if problem is not None:
         return _error(503, problem)
-    return {"status": "ok"}
+    return {"status": "degraded", "workers": down} if down else {"status": "ok"}
 
 
 # -- models and training ---------------------------------------------------------------------

@@ -123,13 +123,21 @@ class Node:
         """Each worker's live adapters, by label (what placement balances)."""
         return {w.label or w.base: w.runtime.live_adapters() for w in self.workers}
 
-    def health(self, timeout_s: float = 2.0) -> str | None:
-        """None when every worker answers, else the first one's reason (one line)."""
+    def health(self, timeout_s: float = 2.0) -> tuple[str | None, dict[str, str]]:
+        """(why the service cannot serve, or None; each worker that does not answer, by label).
+        The service is down only while some base has no worker answering: one worker being
+        restarted fails its own sessions' calls, not the others', so a liveness probe must not
+        restart the whole service for it."""
+        down = {}
         for w in self.workers:
             problem = w.runtime.health(timeout_s)
             if problem is not None:
-                return problem
-        return None
+                down[w.label or w.base] = problem
+        for base in self.bases:
+            mine = [w for w in self.workers if w.base == base]
+            if all((w.label or w.base) in down for w in mine):
+                return down[mine[0].label or mine[0].base], down
+        return None, down
 
     def close(self) -> None:
         for w in self.workers:

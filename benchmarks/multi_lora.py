@@ -172,25 +172,38 @@ def differences(a: list[dict], b: list[dict]) -> list[str]:
     return out
 
 
-def sampling_part(model_name: str, rows: int = 16, tokens: int = 32, reps: int = 6) -> dict:
+def _with_adapters(model, ranks: dict[str, int]):
+    """`model` under PEFT with one LoRA adapter per name (its rank; lora_alpha = 2 x rank, as the
+    Tinker service sets it) on every attention and MLP projection, B drawn small so that each
+    adapter changes the samples."""
     from peft import LoraConfig, get_peft_model
 
-    from tinker_pipelines.models import encode_chat, load_model
-    from tinker_pipelines.rollout.sampler import Sampler, SampleRequest
-
-    model, tok = load_model(model_name, device=DEVICE, dtype=DTYPE)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     peft = None
-    names = [f"exp{i}" for i in range(N_EXP)]
-    for n in names:
-        cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                             "up_proj", "down_proj"])
-        peft = get_peft_model(model, cfg, adapter_name=n) if peft is None else (peft.add_adapter(n, cfg) or peft)
+    for name, r in ranks.items():
+        cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets)
+        peft = get_peft_model(model, cfg, adapter_name=name) if peft is None else (peft.add_adapter(name, cfg) or peft)
     with torch.no_grad():
         for n, p in peft.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 1e-3)
-    peft.eval()
-    prompts = [encode_chat(tok, [{"role": "user", "content": f"Repeat this: {1000 + 37 * i}"}]) for i in range(rows)]
+    return peft.eval()
+
+
+def _prompts(tok, rows: int) -> list[list[int]]:
+    from tinker_pipelines.models import encode_chat
+
+    return [encode_chat(tok, [{"role": "user", "content": f"Repeat this: {1000 + 37 * i}"}]) for i in range(rows)]
+
+
+def sampling_part(model_name: str, rows: int = 16, tokens: int = 32, reps: int = 6) -> dict:
+    from tinker_pipelines.models import load_model
+    from tinker_pipelines.rollout.sampler import Sampler, SampleRequest
+
+    model, tok = load_model(model_name, device=DEVICE, dtype=DTYPE)
+    names = [f"exp{i}" for i in range(N_EXP)]
+    peft = _with_adapters(model, {n: 8 for n in names})
+    prompts = _prompts(tok, rows)
     sampler = Sampler(peft, tok.pad_token_id, [])  # no stops: every row decodes `tokens` tokens
     per = rows // N_EXP
 
@@ -235,24 +248,13 @@ def mixed_ranks_part(model_name: str, rows: int = 16, tokens: int = 32, reps: in
     same rows of one rank-8 adapter alone: merged into the weights (`solo`, what `sampling_part`
     compares with) and through the mixed-adapter decoder (`solo_unmerged`); fastest of `reps`
     interleaved calls each. Every row decodes `tokens` tokens (no stop tokens)."""
-    from peft import LoraConfig, get_peft_model
-
-    from tinker_pipelines.models import encode_chat, load_model
+    from tinker_pipelines.models import load_model
     from tinker_pipelines.rollout.sampler import Sampler, SampleRequest
 
     model, tok = load_model(model_name, device=DEVICE, dtype=DTYPE)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     names = [f"r{r}" for r in MIXED_RANKS]
-    peft = None
-    for n, r in zip(names, MIXED_RANKS):
-        cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets)
-        peft = get_peft_model(model, cfg, adapter_name=n) if peft is None else (peft.add_adapter(n, cfg) or peft)
-    with torch.no_grad():
-        for n, p in peft.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 1e-3)
-    peft.eval()
-    prompts = [encode_chat(tok, [{"role": "user", "content": f"Repeat this: {1000 + 37 * i}"}]) for i in range(rows)]
+    peft = _with_adapters(model, dict(zip(names, MIXED_RANKS)))
+    prompts = _prompts(tok, rows)
     sampler = Sampler(peft, tok.pad_token_id, [])
     per = rows // len(names)
     solo_name = names[MIXED_RANKS.index(8)]

@@ -19,12 +19,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import tinker
 from tinker import types
 
+from test_tinker_liveness import ADAM, BIG, DATA  # one worker's calls: a short pair and a long pass
 from tinker_pipelines.scheduler.inventory import Inventory
 from tinker_pipelines.scheduler.ledger import Ledger
 from tinker_pipelines.serving.tinker.devices import NodeDevices
@@ -34,20 +34,8 @@ pytestmark = pytest.mark.e2e  # worker processes, signals and an HTTP service
 
 KEY = "tml-test-key"
 INVENTORY = {"count": 2, "memory_gb": 80}
-ADAM = types.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
 FAIL_BOUND_S = 60.0
 RESTART_BOUND_S = 180.0
-
-
-def _datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
-        "target_tokens": types.TensorData.from_numpy(np.asarray(tokens[1:], np.int64)),
-        "weights": types.TensorData.from_numpy(np.ones(len(tokens) - 1, np.float32))})
-
-
-DATA = [_datum([5, 9, 13, 21, 34, 55]), _datum([7, 8, 9, 10])]
-BIG = [_datum(np.random.default_rng(i).integers(3, 400, 1000).tolist()) for i in range(48)]
-"""A forward_backward that keeps a tiny worker busy for seconds."""
 
 
 @pytest.fixture(scope="module")

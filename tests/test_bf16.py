@@ -118,7 +118,7 @@ def test_mixed_delta_upcast_same_off_cpu_form():
     outs = []
     for invariant in (True, False):
         y = y0.clone()
-        RowAdapters(lora, rows, invariant=invariant).add_delta_upcast(y, x, 0, 0)
+        RowAdapters(lora, rows, invariant=invariant).add_delta(y, x, 0, 0)
         outs.append(y)
     assert torch.allclose(outs[0].float(), outs[1].float(), rtol=1e-2, atol=1e-2)
     assert torch.equal(outs[0][3], y0[3])  # the base row is untouched

@@ -537,6 +537,3 @@ class RowAdapters:
         steps = [(rows, shape, b, views, whole, _check_key((shape[0], shape[1], x_MI.shape[1]), b) if invariant else None)
                  for b, (rows, shape, views, whole) in zip(buckets, slots)]
         return adds, steps
-
-    add_delta_upcast = add_delta
-    """The same (`add_delta` adds in the adapters' dtype whatever the base's)."""

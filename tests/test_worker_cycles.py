@@ -92,6 +92,41 @@ def test_a_sample_is_held_at_most_max_holds_cycles(server, held_s, monkeypatch):
     a.close(), b.close()
 
 
+@pytest.mark.parametrize("server", [0.0], indirect=True, ids=["no hold"])
+def test_a_sample_is_answered_before_its_cycle_trains(server):
+    """A cycle runs its samples first and answers them at once: b's `forward_backward`, held open
+    here, does not hold back a's sample in the same cycle (on a busy worker a training cycle
+    lasts many seconds, and a sample waiting for its end counts them all)."""
+    from tinker_pipelines.types import Datum
+    from tinker_pipelines.worker.messages import Op
+
+    train, training, release = server._batched[Op.FORWARD_BACKWARD], threading.Event(), threading.Event()
+
+    def gated(calls):
+        training.set()
+        assert release.wait(60)
+        return train(calls)
+
+    server._batched[Op.FORWARD_BACKWARD] = gated
+    a, b = WorkerClient(server.address), WorkerClient(server.address)
+    a.create("a", LEARNER, seed=1), b.create("b", LEARNER, seed=2)
+    datum = Datum((5, 6, 7), (6, 7, 8), (1.0, 1.0, 1.0), (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+    out = {}
+    tb = threading.Thread(target=lambda: out.setdefault("b", b.forward_backward("b", [datum], "grpo", {})))
+    ta = threading.Thread(target=lambda: out.setdefault("a", _sample(a, "a")))
+    tb.start(), ta.start()
+    try:
+        assert training.wait(30)
+        ta.join(30)
+        assert "a" in out and "b" not in out  # a's sample came back while b's training still ran
+    finally:
+        release.set()
+        tb.join(30)
+    assert "b" in out and len(out["a"]) == 2
+    assert ("forward_backward:b", "sample:a") in [tuple(sorted(ops)) for ops in server.cycles]  # one cycle
+    a.close(), b.close()
+
+
 @pytest.mark.parametrize("flag", ["--hold-ms", "--window-ms"])
 def test_a_negative_wait_is_refused(flag):
     import subprocess

@@ -1,6 +1,6 @@
 """The worker's cycles keep experiments' samples together: a `sample` call that meets other
 clients' other calls is held until those clients sample too (at most `MAX_HOLDS` cycles, and
-no later than `MAX_HELD_S` after its first hold)."""
+only while it would run within `MAX_HELD_S` of its first hold)."""
 
 import threading
 from dataclasses import asdict
@@ -58,15 +58,26 @@ def test_a_sample_waits_for_a_client_busy_with_another_call(server):
 
 
 @pytest.mark.parametrize("server", [5.0], indirect=True)
-@pytest.mark.parametrize("held_s", [60.0, 0.0], ids=["by cycles", "by time"])
-def test_a_sample_is_held_at_most_max_holds_cycles(server, held_s, monkeypatch):
-    """At most `MAX_HOLDS` cycles, and none that start `MAX_HELD_S` after its first hold (0 here:
-    the cycle after its first hold runs it)."""
+@pytest.mark.parametrize("held_s, slow_s, holds", [(60.0, 0.0, MAX_HOLDS), (0.0, 0.0, 0), (1.5, 2.0, 0)],
+                         ids=["by cycles", "by time", "by cycle length"])
+def test_a_sample_is_held_at_most_max_holds_cycles(server, held_s, slow_s, holds, monkeypatch):
+    """At most `MAX_HOLDS` cycles, and only while it would still run within `MAX_HELD_S` of its
+    first hold: never when that is 0, nor when the other client's cycles last longer than it."""
+    import time
+
     import tinker_pipelines.worker.server as server_mod
+    from tinker_pipelines.worker.messages import Op
 
     monkeypatch.setattr(server_mod, "MAX_HELD_S", held_s)
+    create = server._handlers[Op.CREATE]
+
+    def slow_create(c, r):  # b's cycles last slow_s
+        time.sleep(slow_s)
+        return create(c, r)
+
     a, b = WorkerClient(server.address), WorkerClient(server.address)
     a.create("a", LEARNER, seed=1)
+    server._handlers[Op.CREATE] = slow_create
     started, stop = threading.Event(), threading.Event()
 
     def b_never_samples():
@@ -86,8 +97,8 @@ def test_a_sample_is_held_at_most_max_holds_cycles(server, held_s, monkeypatch):
     stop.set()
     tb.join(30)
     assert not ta.is_alive()
+    assert server.held["sample:a"] == holds, list(server.cycles)
     waited = _cycle_of(server, "sample:a") - before  # cycles of b's alone while a's sample was held
-    holds = MAX_HOLDS if held_s else 1
     assert holds <= waited <= holds + 1, list(server.cycles)
     a.close(), b.close()
 

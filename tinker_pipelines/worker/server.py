@@ -16,9 +16,11 @@ multi_lora`'s trace: two samples per cycle of four clients). So a cycle that has
 calls and other clients' other calls runs the others and holds its samples (`hold_s`): the next
 cycle waits up to `hold_s` for those clients' next calls, and their samples join the held ones
 in one batch. A sample is held only in a cycle that has other work to run, at most
-`MAX_HOLDS` cycles and no later than `MAX_HELD_S` after its first hold (cycles of other clients'
-training can be long: on a busy CPU four of them held samples past a minute); each wait after such
-a cycle leaves the device idle for `hold_s` at most. The
+`MAX_HOLDS` cycles, and only while it would still run within `MAX_HELD_S` of its first hold if
+the cycle it waits for lasts as long as the last one with other work did: cycles of other
+clients' training can be long (on a busy CPU, 10-20 s for eight SmolLM2 tenants), and a sample
+held for one waits all of it. Each wait after such a cycle leaves the device idle for `hold_s` at
+most. The
 numbers are the same either way (each row's samples do not depend on its batch). A cycle runs
 its samples first and answers them before its training calls run, so a sample's latency is its
 own decode, not the cycle's.
@@ -62,7 +64,8 @@ def key_path(address: str | Path) -> Path:
 MAX_HOLDS = 4
 """Most cycles a `sample` call is held for other clients' samples to join it."""
 MAX_HELD_S = 5.0
-"""A `sample` call first held this long ago runs in the next cycle, however few cycles held it."""
+"""A `sample` call is held only while it would still run within this long of its first hold,
+with the cycle it waits for lasting as long as the last cycle of other work did."""
 _NOT_WORK = (Op.SHUTDOWN, Op.STATS)
 """Requests that do not mean their client will sample soon: they never hold samples."""
 _BATCHED = (Op.SAMPLE, Op.FORWARD_BACKWARD)
@@ -92,12 +95,16 @@ class WorkerServer:
         self.hold_s = hold_s
         self.cycles: collections.deque[tuple[str, ...]] = collections.deque(maxlen=1000)
         """The ops of the latest cycles, in order (what `TINKER_WORKER_TRACE` prints)."""
+        self.held: collections.Counter[str] = collections.Counter()
+        """Cycles each sample call was held for, by its label (`sample:ADAPTER`)."""
         self.authkey = authkey or secrets.token_bytes(32)
         self._queue: queue.Queue[_Item] = queue.Queue()
         self._clients: set[int] = set()
         self._next_client = 0
         self._stopping = threading.Event()
         self._signalled = False
+        self._work_cycle_s = 0.0
+        """How long the latest cycle with other work than samples took (what a held sample waits)."""
         self._listener: Listener | None = None
         self._batched = {Op.SAMPLE: engine.sample, Op.FORWARD_BACKWARD: engine.forward_backward}
         self._handlers = self._handler_table()
@@ -259,6 +266,8 @@ class WorkerServer:
                 with self.engine.lock:
                     self._run(batch)
                 ops = tuple(_label(i) for i in batch)
+                if any(_op(i) not in (None, Op.SAMPLE, *_NOT_WORK) for i in batch):
+                    self._work_cycle_s = time.perf_counter() - t0
                 self.cycles.append(ops)
                 if os.environ.get("TINKER_WORKER_TRACE"):
                     rss, peak = resident_mb()
@@ -285,11 +294,12 @@ class WorkerServer:
         others = {i.client for i in batch if i.request is not None and M.op_of(i.request) not in (Op.SAMPLE, *_NOT_WORK)}
         now = time.monotonic()
         held = [i for i in batch if _op(i) == Op.SAMPLE and i.holds < MAX_HOLDS and i.client not in others
-                and (i.held_since is None or now - i.held_since < MAX_HELD_S)]
+                and (0.0 if i.held_since is None else now - i.held_since) + self._work_cycle_s < MAX_HELD_S]
         if not (held and others):
             return [], set()
         for i in held:
             i.holds += 1
+            self.held[_label(i)] += 1
             i.held_since = now if i.held_since is None else i.held_since
         return held, others
 

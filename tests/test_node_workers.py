@@ -142,7 +142,7 @@ def test_concurrent_lora_steps_each_train_on_the_worker_of_their_leased_device(m
             probe.close()
             with nw._in_dir(home):
                 records = nw.run_steps(1, 4, 4, home)
-            out = nw.figures(records, ledger, 4, device_gb)
+            out = nw.figures(records, ledger, Inventory.from_config(inventory))
         finally:
             nw.stop_workers(ledger)
             if hand.poll() is None:

@@ -100,8 +100,8 @@ def measure(config: dict[str, Any] | None = None, world: int = 2, inventory: str
     me = [sys.executable, "-m", "benchmarks.node_ddp", "--rank0"]
     with tempfile.TemporaryDirectory(prefix="node_ddp-") as tmp:
         start = time.perf_counter()
-        proc = subprocess.run([*me, f"{tmp}/one.json", payload], env=_env(cuda, inv[0].visible), capture_output=True, text=True,
-                              timeout=TIMEOUT_S)
+        proc = subprocess.run([*me, f"{tmp}/one.json", payload], env=_env(cuda, inv[0].visible), capture_output=True,
+                              text=True, timeout=TIMEOUT_S)
         _check(proc, "the 1-rank step")
         one_s = time.perf_counter() - start
         ledger = f"{tmp}/ledger.sqlite"

@@ -316,7 +316,7 @@ def test_the_node_part_on_two_simulated_gpus(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["all_ok"] is True and report["skipped"] == [] and report["driver_imported_torch"] is False
-    assert report["needs_cuda"] == ["node_workers", "node_tinker", "node_ddp"]
+    assert report["needs_cuda"] == ["node_workers", "node_tinker", "node_ddp"] and len(report["node_gpus"]) == 2
     checks = report["checks"]
     assert {c: checks[c]["status"] for c in gpu_check.GROUPS["node"]} == dict.fromkeys(gpu_check.GROUPS["node"], "pass")
     pids = {checks[c]["process"]["pid"] for c in gpu_check.GROUPS["node"]}
@@ -340,6 +340,7 @@ def test_on_one_gpu_the_node_part_is_skipped_not_passed(tmp_path):
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     node = list(gpu_check.GROUPS["node"])
     assert report["all_ok"] is False and report["skipped"] == node and report["failed"] == []
+    assert len(report["node_gpus"]) == 1
     for c in node:
         r = report["checks"][c]
         assert r["ok"] is False and r["status"] == "skipped" and "needs at least 2" in r["why"], r

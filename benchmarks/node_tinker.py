@@ -16,6 +16,12 @@ clients keep training. Last line, JSON:
   from their last save with the same logprobs and step count. Goal true.
 - and the figures they come from (`tinker_workers`, `tinker_clients_per_worker`, `worker_restart_s`, ...).
 
+`--inventory detect` (`measure(inventory="detect")`, what `scripts/gpu_check`'s node part runs)
+serves over the machine's own GPUs instead (every one NVML lists; `--devices` is their number):
+one CUDA worker per base and GPU. The victim worker is stopped (SIGSTOP) before its clients' long
+calls go out and killed a second later, so those calls are in flight at the kill however fast the
+device computes them.
+
 `measure(...)` returns the dict, for `benchmarks/node.py` to compose.
 """
 
@@ -51,15 +57,15 @@ def _env(pid: int) -> dict[str, str]:
     return dict(e.decode().split("=", 1) for e in raw if b"=" in e)
 
 
-def _start(work: Path, devices: int):
+def _start(work: Path, devices: int, inventory: str = "sim"):
     from tinker_pipelines.models.hf_dir import write_model_dir
     from tinker_pipelines.scheduler.inventory import Inventory
     from tinker_pipelines.serving.tinker.devices import NodeDevices
     from tinker_pipelines.serving.tinker.launch import start_service
 
     other, _ = write_model_dir("tiny", work / "tiny-b", seed=1, overwrite=True)
-    spec = NodeDevices(Inventory.from_config({"count": devices, "memory_gb": 80}), tuple(range(devices)),
-                       str(work / "ledger.sqlite"), memory_gb=4.0)
+    inv = Inventory.detect() if inventory == "detect" else Inventory.from_config({"count": devices, "memory_gb": 80})
+    spec = NodeDevices(inv, tuple(range(len(inv))), str(work / "ledger.sqlite"), memory_gb=4.0)
     handle = start_service(["tiny", str(other)], home=work / "home", api_key=KEY, dtype="float32", devices=spec,
                            gap_timeout_s=30.0, worker_args=["--threads", "1"])
     return handle, str(other)
@@ -98,9 +104,10 @@ def _kill_one(handle, clients: list, tcs: list, data: list, big: list) -> dict[s
     mine = [i for i, tc in enumerate(tcs) if label[id(tc)] == victim.label]
     rest = [i for i in range(len(tcs)) if i not in mine]
     others = {s.label: (s.supervisor.proc.pid, s.supervisor.generation) for s in handle.workers if s is not victim}
+    old_pid = victim.supervisor.proc.pid
+    os.kill(old_pid, signal.SIGSTOP)  # the calls below cannot finish before the kill, on any device
     in_flight = [tcs[i].forward_backward(big, "cross_entropy") for i in mine]
     time.sleep(1.0)
-    old_pid = victim.supervisor.proc.pid
     device = _env(old_pid).get("TINKER_SERVICE_DEVICE")
     os.kill(old_pid, signal.SIGKILL)
     killed = time.monotonic()
@@ -141,8 +148,12 @@ def _kill_one(handle, clients: list, tcs: list, data: list, big: list) -> dict[s
             "resumed_equal": resumed_equal, "worker_restart_s": round(restart_s, 1)}
 
 
-def measure(devices: int = 4, clients: int = 16, work: str | Path | None = None) -> dict[str, Any]:
-    """Start the service, spread `clients` SDK clients over it, kill one worker; the figures."""
+def measure(devices: int = 4, clients: int = 16, work: str | Path | None = None,
+            inventory: str = "sim") -> dict[str, Any]:
+    """Start the service over `devices` simulated devices (`inventory` "sim") or the machine's own
+    ("detect": `devices` is ignored), spread `clients` SDK clients over it, kill one worker; the figures."""
+    if inventory not in ("sim", "detect"):
+        raise ValueError(f"inventory must be 'sim' or 'detect', got {inventory!r}")
     import tinker
 
     os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -151,7 +162,7 @@ def measure(devices: int = 4, clients: int = 16, work: str | Path | None = None)
     data = [_datum([5, 9, 13, 21, 34, 55]), _datum([7, 8, 9, 10])]
     big = [_datum(np.random.default_rng(i).integers(3, 400, 1000).tolist()) for i in range(24)]
     t0 = time.monotonic()
-    handle, other = _start(work, devices)
+    handle, other = _start(work, devices, inventory)
     started_s = time.monotonic() - t0
     print(f"service over {len(handle.workers)} workers up in {started_s:.1f} s", flush=True)
     sdk = [tinker.ServiceClient(base_url=handle.url, api_key=KEY) for _ in range(clients)]
@@ -179,11 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=int, default=4, help="simulated devices (one worker per base on each)")
     p.add_argument("--clients", type=int, default=16, help="SDK clients, half on each of the 2 bases")
     p.add_argument("--work", default="", help="keep the service's home and ledger here")
+    p.add_argument("--inventory", choices=("sim", "detect"), default="sim",
+                   help="simulated devices (default), or the machine's own GPUs (--devices ignored)")
     args = p.parse_args(argv)
     if args.devices < 1 or args.clients < 2:
         print("error: --devices must be >= 1 and --clients >= 2", file=sys.stderr)
         return 2
-    print(json.dumps(measure(args.devices, args.clients, args.work or None)), flush=True)
+    print(json.dumps(measure(args.devices, args.clients, args.work or None, args.inventory)), flush=True)
     return 0
 
 

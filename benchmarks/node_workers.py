@@ -23,6 +23,12 @@ fits beside a step. Placement does not yet know which bases a device holds (the 
 Workers are real processes (one tiny model each: hidden 16, one layer); on a 2-core machine most
 of the time is their start (~10 CPU-s each: importing torch and transformers). Imports dagster:
 not library code. `python -m benchmarks.node_workers [--quick]`: last line one JSON object.
+
+`--inventory detect` (`measure(inventory="detect")`, what `scripts/gpu_check`'s node part runs)
+takes the machine's own devices instead (the executor detects them through NVML): `--devices` is
+then their number, steps and workers compute on CUDA, a step reserves all of a device but one
+worker per base (so again one step per device), and `worker_keys_physical` says whether every
+worker called itself by its leased GPU's UUID.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ def sizes(bases: int) -> tuple[float, float]:
     return step, step + bases * WORKER_GB
 
 
-def lora_step(base_seed: int, experiment: int) -> str:
+def lora_step(base_seed: int, experiment: int, device: str = "cpu") -> str:
     """One LoRA training step on the worker of this step's leased device; what it saw, as JSON."""
     from dataclasses import asdict
 
@@ -65,7 +71,7 @@ def lora_step(base_seed: int, experiment: int) -> str:
     from tinker_pipelines.worker.client import WorkerClient
 
     cfg = config_from_dict({"seed": experiment, "training": {"mode": "lora"},
-                            "model": {"name": "tiny", "seed": base_seed, "kwargs": MODEL_KWARGS, "device": "cpu",
+                            "model": {"name": "tiny", "seed": base_seed, "kwargs": MODEL_KWARGS, "device": device,
                                       "dtype": "float32"}})
     address = PolicyEngine(start_worker=True, worker_lease_memory_gb=WORKER_GB).worker_address(cfg, None)
     name = f"b{base_seed}e{experiment}"
@@ -81,20 +87,21 @@ def lora_step(base_seed: int, experiment: int) -> str:
         client.close()
     return json.dumps({"base": base_seed, "experiment": experiment, "pid": os.getpid(),
                        "lease_devices": os.environ.get("TINKER_LEASE_DEVICES"), "address": address,
-                       "key": worker_device_key("cpu"), "step_cuda": cuda_state(), "worker_pid": stats["pid"],
+                       "key": worker_device_key(device), "step_cuda": cuda_state(), "worker_pid": stats["pid"],
                        "worker_key": stats["device_key"], "worker_cuda": stats["cuda"],
                        "worker_base": stats["base"], "loss": metrics.get("loss")})
 
 
-def make_job(bases: int, experiments: int) -> dg.JobDefinition:
-    """One LoRA step per (base, experiment), independent of each other, all on `gpu_executor`."""
-    step_gb, _ = sizes(bases)
+def make_job(bases: int, experiments: int, step_gb: float | None = None, device: str = "cpu") -> dg.JobDefinition:
+    """One LoRA step per (base, experiment), independent of each other, all on `gpu_executor`;
+    each reserves `step_gb` (default `sizes(bases)`) and computes on `device`."""
+    step_gb = sizes(bases)[0] if step_gb is None else step_gb
     tags = {"tinker/devices": "1", "tinker/memory_gb": f"{step_gb:g}", "tinker/sharing": "lora"}
 
     def op_for(b: int, e: int) -> dg.OpDefinition:
         @dg.op(name=f"lora_b{b}_e{e}", tags=tags)
         def _op() -> str:
-            return lora_step(b, e)
+            return lora_step(b, e, device)
         return _op
 
     # experiment-major: the first wave holds every base
@@ -124,13 +131,18 @@ def _in_dir(path: Path) -> Iterator[None]:
             os.environ["PYTHONPATH"] = old_path
 
 
-def run_steps(bases: int, experiments: int, devices: int, home: Path) -> list[dict]:
-    """Execute the job once; the steps' records (raises with the failures' messages)."""
-    _, device_gb = sizes(bases)
-    job = dg.build_reconstructable_job("benchmarks.node_workers", "make_job",
-                                       reconstructable_args=(bases, experiments))
-    execution = {"inventory": {"count": devices, "memory_gb": device_gb}, "ledger_path": str(home / "ledger.sqlite"),
-                 "max_concurrent": bases * experiments, "poll_interval_s": 0.1}
+def run_steps(bases: int, experiments: int, devices: int, home: Path, detected=None) -> list[dict]:
+    """Execute the job once; the steps' records (raises with the failures' messages). `detected`:
+    the machine's inventory, which the executor then detects itself (else a simulated one)."""
+    if detected is None:
+        _, device_gb = sizes(bases)
+        args: tuple = (bases, experiments)
+        execution = {"inventory": {"count": devices, "memory_gb": device_gb}}
+    else:
+        args, execution = (bases, experiments, detected_step_gb(detected, bases), _device(detected)), {}
+    job = dg.build_reconstructable_job("benchmarks.node_workers", "make_job", reconstructable_args=args)
+    execution.update({"ledger_path": str(home / "ledger.sqlite"), "max_concurrent": bases * experiments,
+                      "poll_interval_s": 0.1})
     with dg.instance_for_test() as instance:
         with dg.execute_job(job, instance, run_config={"execution": {"config": execution}}) as result:
             if not result.success:
@@ -139,6 +151,22 @@ def run_steps(bases: int, experiments: int, devices: int, home: Path) -> list[di
                     for e in result.all_events if e.is_failure)[-3000:])
             return [json.loads(result.output_for_node(f"lora_b{b}_e{e}"))
                     for b in range(bases) for e in range(experiments)]
+
+
+def detected_step_gb(inventory, bases: int) -> float:
+    """A step's reservation on the machine's own devices: all of the smallest but one worker per base
+    (more than half of any device, so two steps never share one)."""
+    smallest = min(d.memory_gb for d in inventory)
+    step = smallest - bases * WORKER_GB
+    if step <= smallest / 2:
+        raise ValueError(f"--inventory detect: a device of {smallest:.1f} GB cannot hold a step of more than half "
+                         f"of it beside {bases} worker(s) of {WORKER_GB:g} GB")
+    return round(step, 3)
+
+
+def _device(inventory) -> str:
+    """What steps and workers compute on: CUDA on a machine of GPUs, else the CPU."""
+    return "cuda" if inventory[0].kind == "cuda" else "cpu"
 
 
 def max_busy(events, is_step) -> int:
@@ -173,10 +201,9 @@ def stop_workers(ledger_path: Path) -> None:
         time.sleep(0.2)
 
 
-def figures(records: list[dict], ledger_path: Path, devices: int, device_gb: float) -> dict:
+def figures(records: list[dict], ledger_path: Path, inventory) -> dict:
     """The figures of one run, from the steps' records and the ledger (read while workers live)."""
     from tinker_pipelines.models import base_identity
-    from tinker_pipelines.scheduler.inventory import Inventory
     from tinker_pipelines.scheduler.ledger import Ledger, replay_audit
     from tinker_pipelines.scheduler.workers import WORKER_STEP_PREFIX, resident_bases, worker_step_key
 
@@ -190,14 +217,17 @@ def figures(records: list[dict], ledger_path: Path, devices: int, device_gb: flo
                 and lease.owner.step_key == worker_step_key(base) and r["worker_base"] == base)
 
     events = ledger.audit_log()
-    report = replay_audit(events, Inventory.from_config({"count": devices, "memory_gb": device_gb}))
+    report = replay_audit(events, inventory)
     resident = resident_bases(ledger.leases())
+    physical = [r["worker_key"] == inventory[int(r["lease_devices"])].uuid for r in records
+                if inventory[int(r["lease_devices"])].kind == "cuda"]
     return {"steps": len(records),
             "steps_on_leased_worker": sum(map(on_leased_worker, records)) / max(1, len(records)),
             "max_devices_busy": max_busy(events, lambda e: not (e.step_key or "").startswith(WORKER_STEP_PREFIX)),
             "oversubscribed": int(report.oversubscribed),
             "workers": len({r["worker_pid"] for r in records}),
             "distinct_worker_devices": len({r["worker_key"] for r in records}),
+            **({"worker_keys_physical": all(physical)} if physical else {}),
             "bases_per_device_max": max((len(b) for b in resident.values()), default=0),
             "cuda_initialized_in_steps": sum(r["step_cuda"] not in ("uninitialized", "torch not imported")
                                              for r in records),
@@ -205,19 +235,27 @@ def figures(records: list[dict], ledger_path: Path, devices: int, device_gb: flo
                                                for r in records)}
 
 
-def measure(devices: int = 8, bases: int = 4, experiments: int = 8, keep_records: bool = False) -> dict:
-    """Run `bases` x `experiments` concurrent LoRA steps on `devices` simulated devices; the figures
-    (with `records`, each step's record, when `keep_records`)."""
-    _, device_gb = sizes(bases)
+def measure(devices: int = 8, bases: int = 4, experiments: int = 8, keep_records: bool = False,
+            inventory: str = "sim") -> dict:
+    """Run `bases` x `experiments` concurrent LoRA steps on `devices` simulated devices (`inventory`
+    "sim"), or on the machine's own ("detect": `devices` is ignored); the figures (with `records`,
+    each step's record, when `keep_records`)."""
+    from tinker_pipelines.scheduler.inventory import Inventory
+
+    if inventory not in ("sim", "detect"):
+        raise ValueError(f"inventory must be 'sim' or 'detect', got {inventory!r}")
+    detected = Inventory.detect() if inventory == "detect" else None
+    devices = len(detected) if detected is not None else devices
+    inv = detected or Inventory.from_config({"count": devices, "memory_gb": sizes(bases)[1]})
     with tempfile.TemporaryDirectory(prefix="nw", dir="/tmp") as tmp:  # short: Unix socket paths
         home = Path(tmp)
         start = time.perf_counter()
         try:
             with _in_dir(home):
-                records = run_steps(bases, experiments, devices, home)
+                records = run_steps(bases, experiments, devices, home, detected)
             seconds = time.perf_counter() - start
-            out = {"devices": devices, "bases": bases, "experiments": experiments,
-                   **figures(records, home / "ledger.sqlite", devices, device_gb), "seconds": round(seconds, 1)}
+            out = {"devices": devices, "device_kind": inv[0].kind, "bases": bases, "experiments": experiments,
+                   **figures(records, home / "ledger.sqlite", inv), "seconds": round(seconds, 1)}
         finally:
             stop_workers(home / "ledger.sqlite")
     if keep_records:
@@ -234,10 +272,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help=f"a test's scale: {QUICK}")
     for k, v in FULL.items():
         parser.add_argument(f"--{k}", type=int, default=None, help=f"default {v} ({QUICK[k]} with --quick)")
+    parser.add_argument("--inventory", choices=("sim", "detect"), default="sim",
+                        help="simulated devices (default), or the machine's own GPUs (--devices ignored)")
     args = parser.parse_args(argv)
     scale = {k: getattr(args, k) if getattr(args, k) is not None else (QUICK if args.quick else FULL)[k]
              for k in FULL}
-    print(json.dumps(measure(**scale)), flush=True)
+    print(json.dumps(measure(**scale, inventory=args.inventory)), flush=True)
 
 
 if __name__ == "__main__":

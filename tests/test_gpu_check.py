@@ -101,10 +101,16 @@ def test_without_a_gpu_only_the_dry_run_goes_on():
 
 
 def test_the_slots_add_up_to_the_budget(capsys):
-    dry = {p: part.dry_slot_s for p, part in gpu_check.PARTS.items()}
+    default = [p for p, part in gpu_check.PARTS.items() if not part.opt_in]
+    dry = {p: gpu_check.PARTS[p].dry_slot_s for p in default}
     assert sum(dry.values()) <= gpu_check.DEFAULT_DRY_BUDGET_S
-    slots = {p: part.slot_s for p, part in gpu_check.PARTS.items()}
+    slots = {p: gpu_check.PARTS[p].slot_s for p in default}
     assert sum(slots.values()) <= gpu_check.DEFAULT_BUDGET_S
+    # the node parts are a call of their own (`--only node`), within the same default budget
+    node = gpu_check.GROUPS["node"]
+    assert all(gpu_check.PARTS[p].opt_in for p in node) and not set(node) & set(default)
+    assert sum(gpu_check.PARTS[p].slot_s for p in node) <= gpu_check.DEFAULT_BUDGET_S
+    assert sum(gpu_check.PARTS[p].dry_slot_s for p in node) <= gpu_check.DEFAULT_DRY_BUDGET_S
     assert gpu_check.budget_refusal({p: float(s) for p, s in slots.items()}, gpu_check.DEFAULT_BUDGET_S) is None
     # the device tool's 600 s per command holds the GPU run and the wheels' install beside it
     assert gpu_check.DEFAULT_BUDGET_S <= 550
@@ -295,3 +301,55 @@ def test_measure_figures_become_a_check_only_with_a_true_boolean():
 def test_leased_uuid_normalization():
     assert gpu_check.norm_uuid("GPU-5C0B-11") == gpu_check.norm_uuid("5c0b-11")
     assert gpu_check.norm_uuid(None) != gpu_check.norm_uuid("5c0b-11")
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run of a machine without CUDA")
+def test_the_node_part_on_two_simulated_gpus(tmp_path):
+    """Items 1, 3, 4 of issue 50 on 2 simulated GPUs, each in a process of its own that found CUDA
+    uninitialized: a LoRA step per device on that device's worker, the Tinker service over a worker
+    per base and device with one killed, a 2-rank step whose gathered rollouts equal 1 rank's."""
+    env = {**os.environ, "OUT": str(tmp_path)}
+    cmd = [sys.executable, str(SCRIPT), "--cpu-dry-run", "--sim-gpus", "2", "--only", "node", "--budget-s", "1800",
+           "--slot", "node_workers=600", "--slot", "node_tinker=600", "--slot", "node_ddp=600"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=1900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["all_ok"] is True and report["skipped"] == [] and report["driver_imported_torch"] is False
+    assert report["needs_cuda"] == ["node_workers", "node_tinker", "node_ddp"] and len(report["node_gpus"]) == 2
+    checks = report["checks"]
+    assert {c: checks[c]["status"] for c in gpu_check.GROUPS["node"]} == dict.fromkeys(gpu_check.GROUPS["node"], "pass")
+    pids = {checks[c]["process"]["pid"] for c in gpu_check.GROUPS["node"]}
+    assert len(pids) == 3 and all(checks[c]["process"]["cuda_initialized_at_start"] is False for c in checks)
+    workers = checks["node_workers"]
+    assert (workers["steps_on_leased_worker"], workers["workers"], workers["distinct_worker_devices"]) == (1.0, 2, 2)
+    assert workers["cuda_initialized_in_steps"] == 0 and workers["cuda_initialized_in_workers"] == 0
+    tinker = checks["node_tinker"]
+    assert tinker["tinker_workers"] == 4 and tinker["tinker_devices"] == 2 and tinker["worker_death_isolated"] is True
+    ddp = checks["node_ddp"]
+    assert ddp["ddp_rollouts_split_equal"] is True and len(ddp["rows_per_rank"]) == 2 and ddp["lease_released"]
+
+
+def test_on_one_gpu_the_node_part_is_skipped_not_passed(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path)}
+    cmd = [sys.executable, str(SCRIPT), "--cpu-dry-run", "--sim-gpus", "1", "--only", "node"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the dry run takes its GPUs")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    node = list(gpu_check.GROUPS["node"])
+    assert report["all_ok"] is False and report["skipped"] == node and report["failed"] == []
+    assert len(report["node_gpus"]) == 1
+    for c in node:
+        r = report["checks"][c]
+        assert r["ok"] is False and r["status"] == "skipped" and "needs at least 2" in r["why"], r
+        assert "process" not in r  # nothing ran
+
+
+def test_node_verdicts_name_what_is_not_as_wanted():
+    wants = {"workers": 2, "rows_per_rank": lambda rows: len(rows) == 2 and min(rows) > 0}
+    assert gpu_check.node_verdict({"workers": 2, "rows_per_rank": [8, 8]}, wants)["ok"] is True
+    bad = gpu_check.node_verdict({"workers": 1, "rows_per_rank": [16, 0]}, wants)
+    assert bad["ok"] is False and bad["why"] == "not as wanted: workers=1, rows_per_rank=[16, 0]"
+    assert gpu_check.node_verdict({}, {"worker_keys_physical": True})["ok"] is False  # absent is not true

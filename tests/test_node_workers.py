@@ -142,7 +142,7 @@ def test_concurrent_lora_steps_each_train_on_the_worker_of_their_leased_device(m
             probe.close()
             with nw._in_dir(home):
                 records = nw.run_steps(1, 4, 4, home)
-            out = nw.figures(records, ledger, 4, device_gb)
+            out = nw.figures(records, ledger, Inventory.from_config(inventory))
         finally:
             nw.stop_workers(ledger)
             if hand.poll() is None:
@@ -156,3 +156,21 @@ def test_concurrent_lora_steps_each_train_on_the_worker_of_their_leased_device(m
     assert len({r["address"] for r in records}) == 4
     assert out["cuda_initialized_in_steps"] == 0 and out["cuda_initialized_in_workers"] == 0
     assert {r["step_cuda"] for r in records} == {"uninitialized"}  # torch imported (forked steps), CUDA not started
+
+
+def test_on_the_machine_s_own_gpus_a_step_takes_a_device_but_its_workers():
+    """`--inventory detect`: a step reserves all of the smallest device but one worker per base (more
+    than half: one step per device), and computes on CUDA; a device too small for that is refused."""
+    from benchmarks import node_workers as nw
+
+    def gpus(*gb):
+        return Inventory.from_dict({"devices": [{"kind": "cuda", "memory_gb": g, "name": f"H100 {i}",
+                                                 "uuid": f"GPU-{i}", "visible": f"GPU-{i}"} for i, g in enumerate(gb)]})
+
+    assert nw.detected_step_gb(gpus(85.0, 80.0), bases=1) == 80.0 - nw.WORKER_GB
+    assert nw.detected_step_gb(gpus(85.0, 85.0), bases=4) == 85.0 - 4 * nw.WORKER_GB
+    assert nw._device(gpus(85.0)) == "cuda" and nw._device(Inventory.from_config({"count": 2, "memory_gb": 3})) == "cpu"
+    with pytest.raises(ValueError, match="--inventory detect: a device of 6.0 GB cannot hold a step"):
+        nw.detected_step_gb(gpus(6.0), bases=4)
+    with pytest.raises(ValueError, match="inventory must be 'sim' or 'detect'"):
+        nw.measure(inventory="gpus")

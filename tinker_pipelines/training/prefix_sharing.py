@@ -11,9 +11,11 @@ tokens once per run instead of once per datum.
 
 The prefix of a run always ends before the first weighted target position of each member, so
 every position that carries loss (multi-turn episodes included) is computed in the continuation.
-It runs for every family of `rollout.architectures` (Llama, Qwen2/2.5, Qwen3, Mistral): a layer
-with a sliding window gets the window in its continuation mask (`_additive_mask`), as
-transformers' own sliding mask bounds the plain forward.
+It runs for every family of `rollout.architectures` (Llama, Qwen2/2.5, Qwen3, Mistral, Qwen3.5): a
+layer with a sliding window gets the window in its continuation mask (`_additive_mask`), as
+transformers' own sliding mask bounds the plain forward. A Gated DeltaNet layer (Qwen3.5) has
+no keys and values: its prefix state is its conv and recurrent states at the prefix's end, which
+each row continues from (`_hybrid_prefix_pass`, `_StateLayer`).
 A caller that needs every position's logprob (Tinker's `forward_backward` returns them) asks for
 `every_position`: the prefix's positions then come from the prefix pass's logits, without
 gradient (they carry no loss), once per run instead of once per row with gradient.

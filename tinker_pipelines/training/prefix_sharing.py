@@ -294,7 +294,7 @@ def _hybrid_prefix_pass(model: torch.nn.Module, inputs_BT: torch.Tensor, first_B
     part_P = torch.empty_like(plen_P).scatter_(0, torch.cat(order), torch.arange(len(plen_P), device=plen_P.device))
     pick_B = part_P[run_B]
 
-    def rows(tensors: list[torch.Tensor], pad: int = 0) -> torch.Tensor:
+    def rows(tensors: list[torch.Tensor], pad: bool = False) -> torch.Tensor:
         padded = [torch.nn.functional.pad(t, (0, 0, 0, Lp - t.shape[2])) if pad else t for t in tensors]
         return torch.cat(padded).index_select(0, pick_B)
 
@@ -303,7 +303,7 @@ def _hybrid_prefix_pass(model: torch.nn.Module, inputs_BT: torch.Tensor, first_B
         layers = [p[i] for p in parts]
         if kind == "attention":
             layer = DynamicLayer()
-            layer.update(rows([x.keys for x in layers], pad=1), rows([x.values for x in layers], pad=1))
+            layer.update(rows([x.keys for x in layers], pad=True), rows([x.values for x in layers], pad=True))
         else:
             layer = _StateLayer(rows([x.conv_states[0] for x in layers]), rows([x.recurrent_states[0] for x in layers]))
         expanded.layers.append(layer)

@@ -202,7 +202,7 @@ def shared_prefix_forward(model: torch.nn.Module, plan: PrefixPlan, inputs_BT: t
     dtype = model.get_input_embeddings().weight.dtype
     out = model(input_ids=cont_BC, attention_mask=_continuation_mask(model, plan, Lp, Lc, dtype, device),
                 position_ids=pos_BC, cache=expanded, use_cache=True, logits_to_keep=Lc - start,
-                output_hidden_states=value_head is not None)
+                output_hidden_states=value_head is not None, **_chunking(model, Lc))
     support_BK = support_BT.gather(1, gather_BC)[:, start:] if support_BT is not None else None
     lp_BK = target_logprobs(out.logits, targets_BT.gather(1, gather_BC)[:, start:], temperature, *truncation,
                             support_BK=support_BK)
@@ -216,6 +216,20 @@ def shared_prefix_forward(model: torch.nn.Module, plan: PrefixPlan, inputs_BT: t
     values_BT = to_rows(value_head(out.hidden_states[-1][:, start:])) if value_head is not None else None
     lp_BT = to_rows(lp_BK)
     return (lp_BT if prefix_BT is None else lp_BT + prefix_BT), values_BT
+
+
+DELTA_CHUNKS = (32, 64)
+"""Chunk sizes of transformers' chunked gated delta rule the continuation picks from: it pads a
+pass to a whole chunk, and a continuation is often much shorter than its default 64."""
+
+
+def _chunking(model: torch.nn.Module, Lc: int) -> dict:
+    """The continuation's chunk size for Gated DeltaNet layers (transformers passes a forward's
+    extra keywords down to `torch_chunk_gated_delta_rule`): the smallest of `DELTA_CHUNKS` that
+    holds `Lc` columns, else its default. Same arithmetic, another grouping of it."""
+    if "linear_attention" not in family_of(model.config).layer_kinds(model.config):
+        return {}
+    return {"chunk_size": next((c for c in DELTA_CHUNKS if Lc <= c), DELTA_CHUNKS[-1])}
 
 
 def _prefix_pass(model: torch.nn.Module, inputs_BT: torch.Tensor, first_B: torch.Tensor, plen_P: torch.Tensor,

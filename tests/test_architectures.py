@@ -432,3 +432,33 @@ def test_the_benchmark_reports_every_figure(capsys):
     assert q["greedy_equal"] and q["mixed_equal_solo"] and q["fast_path"] and q["logprobs_max_diff"] <= 1e-5
     assert q["speed_vs_llama"] > 0 and q["tinker_step_vs_llama"] > 0 and "greedy_equal_bf16" in q
     assert torch.get_num_threads() == threads
+
+
+def test_qwen3_5_shared_forward_gives_values_as_the_plain_forward():
+    """A value head (PPO) reads the continuation's last hidden states: over a shared prompt's
+    DeltaNet states they equal the plain forward's at every continuation position (1e-5), and
+    the prompt's own positions read 0, as for the attention families."""
+    from tinker_pipelines.training.prefix_sharing import plan_prefix_sharing, shared_prefix_forward
+
+    model = _model("qwen3_5")
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(5, VOCAB, (20,), generator=g)
+    rows = [torch.cat([prompt, torch.randint(5, VOCAB, (n,), generator=g)]) for n in (9, 12, 5)]
+    B, T = len(rows), max(len(r) for r in rows)
+    inputs_BT, mask_BT = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long)
+    targets_BT, weights_BT = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T)
+    for i, r in enumerate(rows):
+        inputs_BT[i, :len(r)], mask_BT[i, :len(r)] = r, 1
+        targets_BT[i, :len(r) - 1], weights_BT[i, 19:len(r) - 1] = r[1:], 1.0
+    plan = plan_prefix_sharing(inputs_BT, mask_BT, weights_BT)
+    assert plan is not None
+    head = torch.nn.Linear(64, 1)
+    with torch.no_grad():
+        _, values_BT = shared_prefix_forward(model, plan, inputs_BT, targets_BT, weights_BT, 1.0,
+                                             value_head=lambda h: head(h)[..., 0])
+        plain_BT = head(model(input_ids=inputs_BT, attention_mask=mask_BT, output_hidden_states=True)
+                        .hidden_states[-1])[..., 0]
+    cont_BT = torch.arange(T)[None, :] >= plan.prefix_len_B[:, None]
+    cont_BT &= mask_BT.bool()
+    assert (values_BT - plain_BT)[cont_BT].abs().max() <= 1e-5
+    assert values_BT[~cont_BT].abs().max() == 0

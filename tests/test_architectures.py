@@ -39,7 +39,8 @@ CASES = {
 }
 FAMILIES = list(CASES)
 SHARING = FAMILIES
-"""Families whose training shares prompts (Qwen3.5's Gated DeltaNet layers take the prefix's conv and recurrent states)."""
+"""Families whose training shares prompts (Qwen3.5's Gated DeltaNet layers take the prompt's
+conv and recurrent states)."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BF16_LOGPROBS = 3e-2
 """bf16 bound against the HF forward (a bf16 logit moves by ~4e-3 of itself; measured <= 8e-3)."""

@@ -18,8 +18,7 @@ its adapters also cover the DeltaNet layers' linears). Per family, on this CPU:
 - `mixed_equal_solo`: rows of 4 LoRA adapters (ranks 4-16, every linear and the output layer) in
   one batch give each adapter's tokens and logprobs exactly as it samples alone;
 - `fast_path`: the lean decoder, mixed-adapter batches and prompt sharing in training all take it
-  (`decode_fast`, `mixed_fast`, `train_prefix_shared` say which; Qwen3.5 trains without prompt
-  sharing: its linear-attention layers take no shared prefix's keys and values);
+  (`decode_fast`, `mixed_fast`, `train_prefix_shared` say which);
 - `speed_vs_llama`: decode tokens/s at batch 16 (32-token prompts, 64 new tokens, no stop), fp32,
   over the Llama's (goal >= 0.9); best of `--reps` calls each, the families interleaved. By
   default with one torch thread, timed by the thread's CPU time (`_clock`: on a shared machine

@@ -48,6 +48,8 @@ def _cache_layer(kwargs: dict, index: int) -> DynamicLayer | None:
     if layer is None:
         raise ValueError(f"activation checkpointing needs the cache's layer {index} before decoder layer {index} "
                          "runs (a DynamicCache built with the model's config)")
+    if getattr(layer, "rebinds", False):  # its updates rebind attributes (`prefix_sharing._StateLayer`)
+        return layer
     if not isinstance(layer, DynamicLayer) or type(layer).update is not DynamicLayer.update:
         # a static cache writes into its buffers in place: a replay cannot restore them cheaply
         raise ValueError(f"activation checkpointing replays a layer over a DynamicCache only, got {type(layer).__name__}")

@@ -112,3 +112,38 @@ def test_a_version_goes_to_the_base_its_tinker_base_tag_names(two, tmp_path):
     finally:
         a.registry = None
     assert e.value.status == 404 and "'tiny'" in e.value.message and repr(other) in e.value.message
+
+
+def test_after_the_second_base_worker_restarts_v1_answers_on_it_again(two):
+    """Each base's backend is reconnected by its own worker's supervisor: B's reply after its
+    worker was killed and replaced is the one before; A's worker was never touched."""
+    import signal
+    import time
+
+    handle, other = two
+    client = _openai(handle)
+
+    def reply(model: str) -> str:
+        out = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, temperature=0,
+                                             logprobs=True)
+        return str([(c.token, round(c.logprob, 4)) for c in out.choices[0].logprobs.content])
+
+    before, on_a = reply(other), reply("tiny")
+    victim = handle.workers[1]
+    assert victim.base == other
+    a_pid, old_pid = handle.workers[0].supervisor.proc.pid, victim.supervisor.proc.pid
+    os.kill(old_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    while victim.supervisor.generation == 0 or victim.runtime.health() is not None:
+        assert time.monotonic() < deadline, "the killed worker was not restarted"
+        time.sleep(0.5)
+    assert victim.supervisor.proc.pid != old_pid
+    while True:  # the listeners run just after the new worker answers
+        try:
+            after = reply(other)
+            break
+        except openai.APIStatusError:
+            assert time.monotonic() < deadline, "B's /v1 never answered again after its worker restarted"
+            time.sleep(0.5)
+    assert after == before and reply("tiny") == on_a
+    assert handle.workers[0].supervisor.proc.pid == a_pid and handle.workers[0].supervisor.generation == 0

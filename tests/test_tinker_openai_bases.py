@@ -2,8 +2,9 @@
 own worker, routed by the request's `model`.
 
 Two real worker processes (the catalogue's tiny, and a tiny of other weights written as a model
-directory), the real service on loopback, the real `openai` client and the pinned `tinker` SDK.
-A version's base comes from its `tinker.base` tag in a real MLflow registry.
+directory), the real service on loopback with its MLflow tracking (sqlite, in a TINKER_HOME of its
+own), the real `openai` client and the pinned `tinker` SDK. A version's base comes from its
+`tinker.base` tag in that registry.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import pytest
 import tinker
 from tinker import types
 
+from test_tinker_liveness import ADAM, DATA  # a short SFT pair on tiny's vocabulary
 from tinker_pipelines.models import load_tokenizer, render_chat
 from tinker_pipelines.serving.tinker.launch import start_service
+from tinker_pipelines.serving.tinker.lineage import TinkerTracker, registered_name
 
 pytestmark = pytest.mark.e2e  # worker processes and an HTTP service
 
@@ -33,10 +36,18 @@ def two(tmp_path_factory):
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     root = tmp_path_factory.mktemp("bases")
     other, _ = write_model_dir("tiny", root / "tiny-b", seed=1)
-    handle = start_service(["tiny", str(other)], home=root / "home", dtype="float32", gap_timeout_s=5.0,
-                           worker_args=["--threads", "1"])
-    yield handle, str(other)
-    handle.stop()
+    was = os.environ.get("TINKER_HOME")
+    os.environ["TINKER_HOME"] = str(root / "tinker-home")  # where the tracker registers and /v1 looks
+    try:
+        handle = start_service(["tiny", str(other)], home=root / "home", dtype="float32", gap_timeout_s=5.0,
+                               worker_args=["--threads", "1"], tracker=TinkerTracker.from_env())
+        yield handle, str(other)
+        handle.stop()
+    finally:
+        if was is None:
+            os.environ.pop("TINKER_HOME", None)
+        else:
+            os.environ["TINKER_HOME"] = was
 
 
 def _openai(handle) -> openai.OpenAI:
@@ -103,15 +114,43 @@ def test_a_version_goes_to_the_base_its_tinker_base_tag_names(two, tmp_path):
     (tmp_path / "ckpt" / "record.json").write_text("{}")
     tracker.register_adapter(run_id, "on-b", tmp_path / "ckpt", "b", {TINKER_BASE_TAG: b.base_identity})
     tracker.register_adapter(run_id, "untagged", tmp_path / "ckpt", "u", {})
-    a.registry = Registry(tracker, None)
+    theirs, a.registry = a.registry, Registry(tracker, None)
     try:
         assert asyncio.run(servers.route("on-b/1")) is b and asyncio.run(servers.route("on-b")) is b
         assert asyncio.run(servers.route("untagged/1")) is a
         with pytest.raises(ServingError) as e:
             asyncio.run(servers.route("nothing/1"))
     finally:
-        a.registry = None
+        a.registry = theirs
     assert e.value.status == 404 and "'tiny'" in e.value.message and repr(other) in e.value.message
+
+
+def test_a_checkpoint_trained_on_the_second_base_is_served_by_v1_on_it(two):
+    """A LoRA client of base B trained one step through the SDK and saved: its registered version
+    (tagged with B's identity) answers on B's server, with the logprobs of the SDK's sampler of
+    that checkpoint, not B's base's."""
+    handle, other = two
+    tok = load_tokenizer(other)
+    prompt = tok.encode(render_chat(tok, MESSAGES), add_special_tokens=False)
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0)
+    with tinker.ServiceClient(base_url=handle.url, api_key="tml-unused") as sc:
+        tc = sc.create_lora_training_client(other, rank=4, seed=2).result()
+        tc.forward_backward(DATA, "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+        path = tc.save_weights_for_sampler("one-step").result().path
+        seq = sc.create_sampling_client(model_path=path).result().sample(
+            types.ModelInput.from_ints(prompt), 1, greedy).result().sequences[0]
+    client = _openai(handle)
+    before = _batches(handle)
+    got = client.chat.completions.create(model=registered_name(tc.model_id), messages=MESSAGES, max_tokens=6,
+                                         temperature=0, logprobs=True)
+    after = _batches(handle)
+    assert after[other] == before[other] + 1 and after["tiny"] == before["tiny"]
+    lp = [c.logprob for c in got.choices[0].logprobs.content]
+    assert [c.token for c in got.choices[0].logprobs.content] == [tok.decode([t]) for t in seq.tokens]
+    assert max(abs(a - b) for a, b in zip(lp, seq.logprobs)) < 1e-4
+    base = client.chat.completions.create(model=other, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True)
+    assert max(abs(a.logprob - b) for a, b in zip(base.choices[0].logprobs.content, lp)) > 1e-3
 
 
 def test_after_the_second_base_worker_restarts_v1_answers_on_it_again(two):

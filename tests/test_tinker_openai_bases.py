@@ -149,7 +149,8 @@ def test_a_checkpoint_trained_on_the_second_base_is_served_by_v1_on_it(two):
     lp = [c.logprob for c in got.choices[0].logprobs.content]
     assert [c.token for c in got.choices[0].logprobs.content] == [tok.decode([t]) for t in seq.tokens]
     assert max(abs(a - b) for a, b in zip(lp, seq.logprobs)) < 1e-4
-    base = client.chat.completions.create(model=other, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True)
+    base = client.chat.completions.create(model=other, messages=MESSAGES, max_tokens=6, temperature=0,
+                                          logprobs=True)
     assert max(abs(a.logprob - b) for a, b in zip(base.choices[0].logprobs.content, lp)) > 1e-3
 
 

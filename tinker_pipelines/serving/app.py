@@ -3,9 +3,10 @@
 The `model` field names a base (`Server.base_name` or one of its `aliases`) or a registry version
 (`MODEL@ALIAS`, `MODEL/VERSION`, `MODEL` for the latest). An app may serve several bases, one
 `Server` each (`Servers`): a request goes to the server of the base its `model` names, a version to
-the server of the base it was trained on (its `tinker.base` tag; without one, the first server's). A stream decodes in segments of `stream_tokens`: each
-segment is one request to the backend's next clock cycle, so a streaming client shares batches
-with everyone else, and one that goes away stops at the next segment boundary and frees its slot.
+the server of the base it was trained on (its `tinker.base` tag; without one, the first server's).
+A stream decodes in segments of `stream_tokens`: each segment is one request to the backend's next
+clock cycle, so a streaming client shares batches with everyone else, and one that goes away stops
+at the next segment boundary and frees its slot.
 """
 
 from __future__ import annotations

@@ -84,9 +84,10 @@ def test_chat_on_the_second_base_answers_from_its_worker_as_the_tinker_sampler_d
 
     tok = load_tokenizer(other)
     prompt = tok.encode(render_chat(tok, MESSAGES), add_special_tokens=False)
-    sc = tinker.ServiceClient(base_url=handle.url, api_key="tml-unused")
-    seq = sc.create_sampling_client(base_model=other).result().sample(
-        types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=6, temperature=0.0)).result().sequences[0]
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0)
+    with tinker.ServiceClient(base_url=handle.url, api_key="tml-unused") as sc:
+        seq = sc.create_sampling_client(base_model=other).result().sample(
+            types.ModelInput.from_ints(prompt), 1, greedy).result().sequences[0]
     lp = [c.logprob for c in got.choices[0].logprobs.content]
     assert [c.token for c in got.choices[0].logprobs.content] == [tok.decode([t]) for t in seq.tokens]
     assert max(abs(a - b) for a, b in zip(lp, seq.logprobs)) < 1e-4

@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP app: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
 
-The `model` field names the base (`Server.base_name`) or a registry version (`MODEL@ALIAS`,
-`MODEL/VERSION`, `MODEL` for the latest). A stream decodes in segments of `stream_tokens`: each
-segment is one request to the backend's next clock cycle, so a streaming client shares batches
-with everyone else, and one that goes away stops at the next segment boundary and frees its slot.
+The `model` field names a base (`Server.base_name` or one of its `aliases`) or a registry version
+(`MODEL@ALIAS`, `MODEL/VERSION`, `MODEL` for the latest). An app may serve several bases, one
+`Server` each (`Servers`): a request goes to the server of the base its `model` names, a version to
+the server of the base it was trained on (its `tinker.base` tag; without one, the first server's).
+A stream decodes in segments of `stream_tokens`: each segment is one request to the backend's next
+clock cycle, so a streaming client shares batches with everyone else, and one that goes away stops
+at the next segment boundary and frees its slot.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class Server:
     created: int = field(default_factory=lambda: int(time.time()))
     active: int = 0
     """Requests holding a slot now (`/health`)."""
+    aliases: tuple[str, ...] = ()
+    """Other names of the base in `model` fields (a model directory's absolute path and name)."""
 
     def __post_init__(self) -> None:
         self.cache = AdapterCache(self.backend, self.max_adapters)
@@ -55,7 +60,7 @@ class Server:
     # -- models ----------------------------------------------------------------------------
     async def acquire(self, model: str) -> tuple[str, str | None, Any]:
         """(engine adapter, cache key or None for the base, Version or None); 404 naming an unknown one."""
-        if model in (self.base_name, "base"):
+        if model in (self.base_name, "base", *self.aliases):
             return BASE, None, None
         if self.registry is None:
             raise model_not_found(model, f"this server serves only its base {self.base_name!r} (no registry)")
@@ -123,10 +128,54 @@ class Server:
         return (text[: min(cuts)], True) if cuts else (text, False)
 
 
-def build_app(server: Server) -> FastAPI:
-    """The FastAPI app over `server` (every route finds it as `request.app.state.server`)."""
+class Servers:
+    """Every base an app serves, one `Server` each; the first is the default (`model: "base"`)."""
+
+    def __init__(self, servers: list[Server]):
+        if not servers:
+            raise ValueError("an OpenAI endpoint needs at least one server")
+        self.all = list(servers)
+        self.default = self.all[0]
+        self._by_name: dict[str, Server] = {"base": self.default}
+        for s in reversed(self.all):  # a name two bases share goes to the earlier one
+            self._by_name.update({n: s for n in (s.base_name, *s.aliases)})
+        self._trained_on: dict[tuple[str, str], str | None] = {}
+        """(registered model, version) -> its `tinker.base` tag: a version's tags are set as it is registered."""
+
+    def bases(self) -> str:
+        return ", ".join(repr(s.base_name) for s in self.all)
+
+    async def route(self, model: Any) -> Server:
+        """The server of the base `model` names, or of the base a registry version was trained on;
+        404 naming the served bases for a model none serves. One base: always its server, whose
+        `acquire` answers for the model as it always did."""
+        if len(self.all) == 1 or not isinstance(model, str) or not model:  # a bad `model` is check_params' 400
+            return self.default
+        if model in self._by_name:
+            return self._by_name[model]
+        registry = self.default.registry
+        if registry is None:
+            raise model_not_found(model, f"this server serves only its bases {self.bases()} (no registry)")
+        try:
+            name, version = await asyncio.to_thread(registry.resolve, model)
+        except ServingError as e:
+            if e.code != "model_not_found":
+                raise
+            raise ServingError(404, f"{e.message}; this server serves the bases {self.bases()} and registered "
+                                    "versions trained on them", e.type, "model", e.code) from None
+        if (name, version) not in self._trained_on:
+            self._trained_on[name, version] = await asyncio.to_thread(registry.trained_on, name, version)
+        identity = self._trained_on[name, version]
+        # untagged (or another base's): the default, whose `acquire` names the base to start
+        return next((s for s in self.all if s.base_identity == identity), self.default)
+
+
+def build_app(server: Server | list[Server]) -> FastAPI:
+    """The FastAPI app over `server`, or over several, one per base, the first the default (every
+    route finds them as `request.app.state.servers`, the default also as `.server`)."""
     app = FastAPI(title="tinker-pipelines OpenAI-compatible endpoint")
-    app.state.server = server
+    app.state.servers = Servers(server if isinstance(server, list) else [server])
+    app.state.server = app.state.servers.default
     app.add_exception_handler(ServingError, _serving_error)
     app.add_exception_handler(404, _no_route)
     app.add_exception_handler(405, _no_method)
@@ -160,32 +209,36 @@ async def _internal(_req: Request, e: Exception) -> JSONResponse:
 
 
 # -- routes ---------------------------------------------------------------------------------
-def _server_of(req: Request) -> Server:
-    return req.app.state.server
+def _servers_of(req: Request) -> Servers:
+    return req.app.state.servers
 
 
 async def _models(req: Request):
-    server = _server_of(req)
-    data = [server.card(server.base_name)] + [server.card(k, v) for k, (_, v) in list(server.cache.loaded.items())]
+    data = []
+    for server in _servers_of(req).all:
+        data += [server.card(server.base_name)] + [server.card(k, v) for k, (_, v) in list(server.cache.loaded.items())]
     return {"object": "list", "data": data}
 
 
 async def _model(model: str, req: Request):
-    server = _server_of(req)
+    server = await _servers_of(req).route(model)
     adapter, key, v = await server.acquire(model)
     server.release(key)
     return server.card(key or server.base_name, v)
 
 
 async def _health(req: Request):
-    server = _server_of(req)
-    return {"status": "ok", "active_requests": server.active, "loaded": list(server.cache.loaded),
-            "batches": server.backend.batches}
+    """Totals over every base (one base: its own figures, as always) and each base's own."""
+    servers = _servers_of(req).all
+    each = {s.base_name: {"active_requests": s.active, "loaded": list(s.cache.loaded), "batches": s.backend.batches}
+            for s in servers}
+    return {"status": "ok", "active_requests": sum(b["active_requests"] for b in each.values()),
+            "loaded": [k for b in each.values() for k in b["loaded"]],
+            "batches": sum(b["batches"] for b in each.values()), "bases": each}
 
 
 async def _completions(req: Request):
-    server = _server_of(req)
-    body, params = await _body_of(server, req, P.COMPLETIONS)
+    server, body, params = await _body_of(req, P.COMPLETIONS)
     for key, default in (("echo", False), ("best_of", 1), ("suffix", None)):
         if body.get(key, default) not in (default, None):
             raise bad_request(f"{key} is not supported by this endpoint", key)
@@ -199,8 +252,7 @@ async def _completions(req: Request):
 
 
 async def _chat(req: Request):
-    server = _server_of(req)
-    body, params = await _body_of(server, req, P.CHAT)
+    server, body, params = await _body_of(req, P.CHAT)
     _check_chat_fields(body)
     messages = P.chat_messages(body)
     tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
@@ -220,8 +272,9 @@ def _top_logprobs(params: P.Params, k: int | None) -> int | None:
     return k
 
 
-async def _body_of(server: Server, req: Request, allowed: set[str]) -> tuple[dict, P.Params]:
-    """The request's JSON object and its checked sampling parameters; 400 for anything else."""
+async def _body_of(req: Request, allowed: set[str]) -> tuple[Server, dict, P.Params]:
+    """The server of the base the request's `model` names, the request's JSON object and its
+    checked sampling parameters; 400 for anything else, 404 for a model no server serves."""
     raw = await req.body()
     try:
         body = json.loads(raw)
@@ -230,7 +283,8 @@ async def _body_of(server: Server, req: Request, allowed: set[str]) -> tuple[dic
                           "object.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
-    return body, P.check_params(body, allowed, server.max_context)
+    server = await _servers_of(req).route(body.get("model"))
+    return server, body, P.check_params(body, allowed, server.max_context)
 
 
 def _check_chat_fields(body: dict) -> None:

@@ -107,6 +107,11 @@ class Registry:
         self._aliases[(name, version)] = (time.monotonic(), str(mv.version))
         return name, str(mv.version)
 
+    def trained_on(self, name: str, version: str) -> str | None:
+        """The base identity `name` v`version` carries in its `tinker.base` tag (Tinker-saved
+        versions), without downloading it; None for a version without the tag."""
+        return self.tracker.client.get_model_version(name, version).tags.get(TINKER_BASE_TAG)
+
     def fetch(self, name: str, version: str) -> Version:
         """Download `name` v`version`, verify every file against its record and the record's content
         hash against the one the version was registered with (422 when they differ)."""

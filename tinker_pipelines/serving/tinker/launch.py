@@ -1,6 +1,6 @@
 """Starting the Tinker service: a resident worker for the base (or one per base and device of a
 device set, `devices.NodeDevices`), and one HTTP process that serves Tinker's `/api/v1` and the
-OpenAI `/v1` from them (the OpenAI endpoint from the first base's first worker).
+OpenAI `/v1` from them (the OpenAI endpoint serves every base from that base's first worker).
 
 In this process (`start_service`, a thread: tests, notebooks, benchmarks) or as
 `tinker-pipelines tinker serve` (the CLI). Without an API key the service accepts any key, so
@@ -173,7 +173,7 @@ def build_app(model: str, worker_address: Path, home: Path, settings: TinkerSett
     by `worker_timeout_s`; `supervisor` (a `WorkerSupervisor`) replaces a dead or hung worker. The
     tracker's calls are retried and never fail a call whose work was done (`ResilientTracker`).
     With `node` (several workers), Tinker's routes serve all of them and the OpenAI endpoint
-    serves `model` from its worker at `worker_address`."""
+    serves each base from its first worker, `model` (the first base) the default."""
     from tinker_pipelines.serving.app import build_app as build_openai_app
     from tinker_pipelines.serving.tinker.lineage import ResilientTracker
 
@@ -183,10 +183,16 @@ def build_app(model: str, worker_address: Path, home: Path, settings: TinkerSett
     tracker = None if tracker is None else ResilientTracker.around(tracker)
     service = Service(node, model, home, tracker=tracker, gap_timeout_s=gap_timeout_s,
                       max_lora_rank=max_lora_rank, **service_options)
-    server = build_server(model=model, worker=str(worker_address), use_registry=tracker is not None)
-    if supervisor is not None:  # the OpenAI endpoint's own connections to the worker, made again
-        supervisor.listeners.append(lambda generation: server.backend.reconnect())
-    return add_tinker_routes(build_openai_app(server), service, settings), service
+    servers: list[Any] = []
+    for base in node.bases:
+        runtime = node.of_base(base)[0].runtime
+        server = build_server(model=base, worker=runtime.address, aliases=node.aliases[base],
+                              registry=servers[0].registry if servers else None,
+                              use_registry=not servers and tracker is not None)
+        if runtime.supervisor is not None:  # the OpenAI endpoint's own connections to this worker, made again
+            runtime.supervisor.listeners.append(lambda generation, server=server: server.backend.reconnect())
+        servers.append(server)
+    return add_tinker_routes(build_openai_app(servers), service, settings), service
 
 
 def check_bases(models: list[str]) -> None:

@@ -198,7 +198,8 @@ class Runtime:
             old, self.shared.client = self.shared.client, shared
             todo = dict(self._from_checkpoints)
         old.close()
-        for name, (path, conn) in todo.items():
+
+        def reload(name: str, path: str, conn: SharedConnection) -> None:
             try:
                 client, _ = self._connect(wait=False)
                 old, conn.client = conn.client, client
@@ -207,6 +208,15 @@ class Runtime:
             except WorkerError as e:
                 log.warning("checkpoint %s could not be loaded again on the new worker as %s: %s", path, name,
                             str(e).splitlines()[0])
+
+        # at once, each on its connection: their loads meet in one worker cycle, and every call
+        # waiting for the new worker waits for that cycle, not one per checkpoint
+        threads = [threading.Thread(target=reload, args=(name, path, conn), daemon=True)
+                   for name, (path, conn) in todo.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
     @property
     def max_context(self) -> int | None:

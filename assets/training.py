@@ -6,12 +6,18 @@ Bodies call the library (`Experiment.rollout / train_step / save / evaluate`); a
 the artifact store and only their URIs and small numbers go into the metadata. Every step loads or
 uses the policy, so each takes a slot of the `tinker_device` pool while it runs (docs/runtime.md
 "Run queue").
+
+A full-parameter experiment with `training.devices: k > 1` runs each step on k ranks (the GPU-aware
+executor launches it as `torchrun`): the body hands its stage to every rank (`_Step.on_ranks`,
+`loops.ranked.rl_stage`), the rollout is split across them, and rank 0 (this process) writes the
+artifacts, the checkpoint, MLflow and the materialization as with one device.
 """
 
 
 import base64
 import time
 import urllib.error
+from pathlib import Path
 
 import dagster as dg
 
@@ -24,6 +30,7 @@ from resources import ArtifactStoreResource, MLflowResource, PolicyEngine
 from tinker_pipelines.bases import base_tags
 from tinker_pipelines.schedule_rules import DEVICE_POOL, eval_due, LORA_STEP_TAGS
 from tinker_pipelines.envs import EnvError
+from tinker_pipelines.scheduler import ranks
 from tinker_pipelines.tracking import registered_model_name
 from tinker_pipelines.tracking.mlflow_tracker import CHECKS_TAG, checks_tags, learning_curve_png, promotion_refusal
 from tinker_pipelines.tracking.store import dumps, loads
@@ -31,6 +38,8 @@ from tinker_pipelines.tracking.store import dumps, loads
 GROUP = "rl"
 TRANSIENT = (ConnectionError, TimeoutError, EOFError, urllib.error.URLError)
 """Errors of a remote env, reward server or worker that a retry of the step may not see again."""
+RL_STAGE_TARGET = "tinker_pipelines.loops.ranked:rl_stage"
+"""What every rank of a ranked RL step runs (`scheduler.ranks.run`)."""
 
 
 def transient(error: BaseException) -> bool:
@@ -59,22 +68,40 @@ class _Step:
     def adapter(self, iteration: int):
         return find_adapter(self.context.instance, self.tracker, self.name, iteration) if iteration >= 0 else None
 
+    def checkpoint(self, i: int):
+        ref = self.adapter(i)
+        return adapter_dir(ref, self.store, self.tracker, self.name, Path(self.cache_dir)) if ref else None
+
+    def sft_base(self):
+        key = f"{self.name}/sft"
+        return self.store.local_dir(key) if self.store.exists(key) else None
+
     def experiment(self, at: int):
-        from pathlib import Path
-
-        def checkpoint(i: int):
-            ref = self.adapter(i)
-            return adapter_dir(ref, self.store, self.tracker, self.name, Path(self.cache_dir)) if ref else None
-
-        def sft_base():
-            key = f"{self.name}/sft"
-            return self.store.local_dir(key) if self.store.exists(key) else None
-
         def checkpoint_hash(i: int):
             ref = self.adapter(i)
             return ref.content_hash if ref else None
 
-        return self.engine.experiment(self.name, self.cfg, at, checkpoint, sft_base, checkpoint_hash)
+        return self.engine.experiment(self.name, self.cfg, at, self.checkpoint, self.sft_base, checkpoint_hash)
+
+    @property
+    def ranked(self) -> bool:
+        """Whether this step runs on several ranks (`training.devices` > 1 under the GPU-aware executor)."""
+        return ranks.in_ranked_step()
+
+    def on_ranks(self, stage: str, at: int, inputs: dict | None = None, save: Path | None = None) -> dict:
+        """Stage `stage` of the experiment at iteration `at` on every rank of this ranked step (each
+        rebuilds it from the stored settings, warm start and checkpoint, as `experiment` would);
+        returns rank 0's result (`loops.ranked.rl_stage`)."""
+        base = self.sft_base() if self.cfg.sft.steps else None
+        if self.cfg.sft.steps and base is None:
+            raise RuntimeError(f"sft.steps is {self.cfg.sft.steps}: materialize sft_checkpoint (the `sft` job) first")
+        resume = self.checkpoint(at - 1) if at > 0 else None
+        payload = {"config": self.settings["config"], "stage": stage, "at": at,
+                   "resume": None if resume is None else str(Path(resume).resolve()),
+                   "base": None if base is None else str(Path(base).resolve()),
+                   "inputs": None if inputs is None else dumps(inputs).decode(),
+                   "save": None if save is None else str(Path(save).resolve())}
+        return ranks.run(RL_STAGE_TARGET, payload)
 
     def load(self, what: str):
         """An artifact an earlier step of this iteration wrote (`rollout.json`, `datums.json`): from
@@ -119,8 +146,13 @@ def rollout_batch(context: dg.AssetExecutionContext, config: RLConfig, policy_en
         if tags.get(CHECKS_TAG) == "failed":
             raise dg.Failure(f"iteration {k - 1}'s adapter ({step.model_name} v{prev.model_version}) is not "
                              f"trained on from: {promotion_refusal(tags)}")
+    shares = None
     try:
-        ro = step.experiment(at=k).rollout(k)
+        if step.ranked:
+            out = step.on_ranks("rollout", k)
+            ro, shares = out["rollout"], out["shares"]
+        else:
+            ro = step.experiment(at=k).rollout(k)
     except Exception as e:
         if not transient(e) or config.rollout_retries <= context.retry_number:
             raise
@@ -138,7 +170,8 @@ def rollout_batch(context: dg.AssetExecutionContext, config: RLConfig, policy_en
                   "exact_rate": m.get("exact_rate", float("nan")), "sampled_tokens": int(m["sampled_tokens"]),
                   "episodes": int(m["episodes"]), "wall_time_s": step.elapsed(), "mlflow_run_id": run_id,
                   "policy": prev.uri if prev else f"base model {step.cfg.model.name}",
-                  "policy_model_version": prev.model_version if prev else "none"},
+                  "policy_model_version": prev.model_version if prev else "none",
+                  **({"rank_shares": dg.MetadataValue.json(shares)} if shares else {})},
         check_results=[checks.rewards_finite(ro.groups, m)])
 
 
@@ -149,7 +182,10 @@ def scored_trajectories(context: dg.AssetExecutionContext, policy_engine: Policy
     critic's values and GAE for PPO), scored with the policy that sampled them."""
     step = _Step(context, policy_engine, artifact_store, mlflow)
     groups = step.load("rollout.json")["groups"]
-    datums = step.experiment(at=step.k).score(groups)
+    if step.ranked:
+        datums = step.on_ranks("score", step.k, {"groups": groups})["datums"]
+    else:
+        datums = step.experiment(at=step.k).score(groups)
     uri = step.save("datums.json", datums)
     advs = [abs(a) for d in datums for a, w in zip(d.advantages, d.weights) if w]
     return dg.MaterializeResult(metadata={
@@ -175,13 +211,18 @@ def adapter_checkpoint(context: dg.AssetExecutionContext, policy_engine: PolicyE
     step = _Step(context, policy_engine, artifact_store, mlflow)
     name, k = step.name, step.k
     rollout, datums = step.load("rollout.json"), step.load("datums.json")
-    exp = step.experiment(at=k)
+    exp = None if step.ranked else step.experiment(at=k)
     key = store_key(name, k, "adapter")
     with policy_engine.updating(name):
-        metrics = {"iteration": float(k), **rollout["metrics"], **exp.train_step(rollout["groups"], datums)}
-        exp.iteration = k + 1
-        local = step.store.write_dir(key)
-        record = exp.save(local, metrics)
+        if exp is None:  # every rank trains on its shard; rank 0 writes the checkpoint
+            local = step.store.write_dir(key)
+            out = step.on_ranks("train", k, {**rollout, "datums": datums}, save=local)
+            exp, metrics, record = out["exp"], out["metrics"], out["record"]
+        else:
+            metrics = {"iteration": float(k), **rollout["metrics"], **exp.train_step(rollout["groups"], datums)}
+            exp.iteration = k + 1
+            local = step.store.write_dir(key)
+            record = exp.save(local, metrics)
         uri = step.store.put_dir(local, key)
     results = [checks.kl_within_bound(metrics, step.settings["kl_bound"]), checks.adapter_loads(exp, local)]
     run_id = step.run_id()
@@ -224,8 +265,7 @@ def eval_report(context: dg.AssetExecutionContext, policy_engine: PolicyEngine,
     if not eval_due(k, cfg.eval.every, cfg.training.iterations):
         context.log.info(f"iteration {k}: evaluation not due (every {cfg.eval.every})")
         return
-    exp = step.experiment(at=k + 1)
-    metrics = exp.evaluate()
+    metrics = step.on_ranks("evaluate", k + 1)["metrics"] if step.ranked else step.experiment(at=k + 1).evaluate()
     run_id = step.run_id()
     step.tracker.log_metrics_once(run_id, k, metrics)
     score = checks.eval_score(metrics)

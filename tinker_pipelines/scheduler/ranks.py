@@ -131,21 +131,27 @@ _IN_RUN: list[str] = []
 
 def check_in_ranked_body(what: str = "this step") -> None:
     """Refuse (ValueError, one line) to join a process group of several ranks outside `run`: the
-    other ranks wait for `run`'s task, so a body that builds a multi-rank learner itself (the RL
-    assets today) would hang its collective forever instead of failing."""
-    if os.environ.get(RANK_DIR_ENV) and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _IN_RUN:
+    other ranks wait for `run`'s task, so a body that builds a multi-rank learner itself would
+    hang its collective forever instead of failing."""
+    if in_ranked_step() and not _IN_RUN:
         raise ValueError(f"training.devices: {what} runs on {os.environ['WORLD_SIZE']} ranks, but its body does not "
                          "call scheduler.ranks.run, so its other ranks never join (a ranked step's body is "
-                         "e.g. tinker_pipelines.loops.ranked:full_iteration; the RL job's assets lease one device "
-                         "per step: set training.devices: 1 there)")
+                         "e.g. tinker_pipelines.loops.ranked:full_iteration or :rl_stage, as the RL job's assets "
+                         "call it)")
+
+
+def in_ranked_step(environ: Any = None) -> bool:
+    """Whether this process is a rank of a ranked step of several ranks (where `run` hands its call on)."""
+    environ = os.environ if environ is None else environ
+    return bool(environ.get(RANK_DIR_ENV)) and int(environ.get("WORLD_SIZE", "1")) > 1
 
 
 def run(target: str, payload: dict[str, Any]) -> Any:
     """Call `target` ('module:function') with `payload` (JSON-able) on every rank of this ranked
     step, rank 0's result returned here; outside a ranked step (one device) simply in this
     process. Call it once per step: the followers run one task and end."""
-    directory = os.environ.get(RANK_DIR_ENV)
-    if directory and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if in_ranked_step():
+        directory = os.environ[RANK_DIR_ENV]
         if int(os.environ.get("RANK", "0")) != 0:
             raise RuntimeError("ranks.run is called by rank 0 (the Dagster step); the others follow it")
         tmp = Path(directory) / (TASK_FILE + ".tmp")

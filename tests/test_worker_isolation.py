@@ -15,7 +15,6 @@ import torch
 
 from tinker_pipelines.training.learner import LearnerConfig
 from tinker_pipelines.models import load_model, stop_token_ids
-from tinker_pipelines.rollout.sampler import SampleRequest
 from tinker_pipelines.serving import ServingError
 from tinker_pipelines.serving import protocol as P
 from tinker_pipelines.types import Datum
@@ -214,3 +213,33 @@ def test_cli_worker_never_replaces_a_file_or_a_live_worker(live_server, tmp_path
     conn.send_bytes(messages.encode(messages.Hello(messages.SCHEMA)))  # the live worker still serves
     assert isinstance(messages.decode_reply(messages.Op.HELLO, conn.recv_bytes()), messages.HelloReply)
     conn.close()
+
+
+def test_many_clients_connecting_at_once_all_get_in(live_server, monkeypatch):
+    """After a restart every client connects again at the same moment; a Unix socket refuses a
+    connect outright (EAGAIN) once its backlog is full, so the worker's is deep and a client
+    that still meets a full one tries again within its connect bound."""
+    import threading
+
+    from tinker_pipelines.worker.client import WorkerClient
+
+    monkeypatch.setattr(server_module, "HANDSHAKE_TIMEOUT_S", 30.0)
+    _, address = live_server
+    n, go = 48, threading.Barrier(48)
+    got, failed = [], []
+
+    def connect():
+        go.wait()
+        try:
+            got.append(WorkerClient(address, connect_timeout_s=20))
+        except Exception as e:  # noqa: BLE001 - each failure is reported below
+            failed.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=connect) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for c in got:
+        c.close()
+    assert not failed and len(got) == n, failed[:3]

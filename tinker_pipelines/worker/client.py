@@ -223,14 +223,23 @@ def _connect(address: str, authkey: bytes, timeout_s: float) -> Connection:
     """`multiprocessing.connection.Client(address, authkey=...)`, with every step bounded by
     `timeout_s`: the socket's own timeout for the connect, SO_RCVTIMEO / SO_SNDTIMEO (a read or
     write that waits longer fails with EAGAIN, `BlockingIOError`) for the handshake."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.settimeout(timeout_s)
-        s.connect(address)
-        s.settimeout(None)  # blocking again: `Connection` reads and writes the descriptor itself
-        conn = Connection(s.detach())
-    finally:
-        s.close()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(timeout_s)
+            try:
+                s.connect(address)
+            except BlockingIOError:  # the socket's backlog is full (a Unix socket does not queue the connect)
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
+                continue
+            s.settimeout(None)  # blocking again: `Connection` reads and writes the descriptor itself
+            conn = Connection(s.detach())
+            break
+        finally:
+            s.close()
     try:
         _set_timeouts(conn, timeout_s)
         answer_challenge(conn, authkey)

@@ -61,6 +61,8 @@ def key_path(address: str | Path) -> Path:
     return Path(f"{address}.key")
 
 
+LISTEN_BACKLOG = 256
+"""Connections the worker's socket queues before `accept` (multiprocessing's default is 1)."""
 MAX_HOLDS = 4
 """Most cycles a `sample` call is held for other clients' samples to join it."""
 MAX_HELD_S = 5.0
@@ -124,7 +126,9 @@ class WorkerServer:
                 stale.unlink()
         old_umask = os.umask(0o077)  # bind() creates the socket owner-only: no moment where others may connect
         try:
-            self._listener = Listener(self.address, family="AF_UNIX")
+            # a deep backlog: after a restart every client reconnects at once, and a Unix socket
+            # whose backlog is full refuses a connect outright (EAGAIN) instead of queueing it
+            self._listener = Listener(self.address, family="AF_UNIX", backlog=LISTEN_BACKLOG)
             os.chmod(path, 0o600)
             # O_EXCL | O_NOFOLLOW: never write through a link planted at the key's path (a shared directory)
             # after the unlink above; starting fails instead.

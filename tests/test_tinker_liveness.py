@@ -175,6 +175,38 @@ def test_a_killed_worker_fails_the_call_in_flight_and_its_client_resumes_from_it
         assert _sample(base) == want_base
 
 
+def test_a_checkpoint_sampler_the_restart_could_not_load_again_loads_on_its_next_sample(tmp_path, monkeypatch):
+    """After a worker restart, a checkpoint sampler whose load on the new worker failed (here on
+    purpose, as a connection refused at a busy restart did) is loaded by its next sample, not
+    left broken with the dead worker's connection."""
+    from tinker_pipelines.serving.tinker.runtime import SharedConnection
+    from tinker_pipelines.worker import WorkerError
+
+    refresh, refused = SharedConnection.refresh, []
+
+    def refuse_once(self):
+        if self.checkpoint is not None and not refused and self.generation < self._runtime.generation:
+            refused.append(self.checkpoint[0])
+            raise WorkerError("the worker did not answer the connection (refused on purpose)")
+        return refresh(self)
+
+    monkeypatch.setattr(SharedConnection, "refresh", refuse_once)
+    with _service(tmp_path) as handle, ExitStack() as stack:
+        sc = stack.enter_context(tinker.ServiceClient(base_url=handle.url, api_key=KEY))
+        tc = sc.create_lora_training_client("tiny", rank=4, seed=3).result()
+        tc.forward_backward(DATA, "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+        from_path = sc.create_sampling_client(model_path=tc.save_weights_for_sampler("one").result().path).result()
+        want = _sample(from_path)
+        os.kill(handle.worker_pid, signal.SIGKILL)
+        deadline = time.monotonic() + RESTART_BOUND_S
+        while not refused and time.monotonic() < deadline:  # the restart's listener tries, and fails
+            time.sleep(0.2)
+        assert refused
+        _wait_health(handle, 200, RESTART_BOUND_S)
+        assert _sample(from_path) == want
+
+
 def test_a_hung_worker_fails_calls_within_the_timeout_and_is_replaced(tmp_path):
     with _service(tmp_path, worker_timeout_s=8.0) as handle, ExitStack() as stack:
         sc = stack.enter_context(tinker.ServiceClient(base_url=handle.url, api_key=KEY))

@@ -71,19 +71,50 @@ class SharedConnection:
     """The runtime's shared connection (the base's samples, checkpoints loaded read-only), kept
     across worker restarts: `client` is the connection to the worker running now, and a `sample`
     that fails because its worker was lost waits for the new worker and is sent again, once (a
-    sample changes nothing, and its seed travels with it). Other calls are the client's own."""
+    sample changes nothing, and its seed travels with it). Other calls are the client's own.
+    `checkpoint` (adapter name, directory) is what this connection holds: where the restart's
+    listener could not load it again, the next sample does."""
 
-    def __init__(self, client: WorkerClient, runtime: Runtime):
+    def __init__(self, client: WorkerClient, runtime: Runtime, generation: int = 0,
+                 checkpoint: tuple[str, str] | None = None):
         self.client, self._runtime = client, runtime
+        self.generation = generation
+        """The worker generation `client` reaches."""
+        self.checkpoint = checkpoint
+        self._lock = threading.Lock()
 
     def sample(self, call: Any) -> Any:
         try:
-            return self.client.sample(call)
+            return self._current().sample(call)
         except WorkerLost:
             if self._runtime.supervisor is None:
                 raise
             self._runtime.supervisor.wait_ready(RESTART_WAIT_S)  # the listeners have replaced `client` by then
-            return self.client.sample(call)
+            return self._current().sample(call)
+
+    def _current(self) -> WorkerClient:
+        """`client`, connected again (and its checkpoint loaded again) when it reaches an older worker."""
+        if self.generation < self._runtime.generation:
+            if self._runtime.supervisor is not None:  # outside the lock: the restart's listener takes it
+                self._runtime.supervisor.wait_ready(RESTART_WAIT_S)
+            self.refresh()
+        return self.client
+
+    def refresh(self) -> None:
+        """Connect to the worker running now, and load the checkpoint on it, if `client` reaches
+        an older one (the restart's listener, or else the next sample)."""
+        with self._lock:
+            if self.generation >= self._runtime.generation:
+                return
+            client, generation = self._runtime._connect(wait=False)
+            try:
+                if self.checkpoint is not None:
+                    client.create_sampler(*self.checkpoint)
+            except BaseException:
+                client.close()
+                raise
+            old, self.client, self.generation = self.client, client, generation
+        old.close()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)
@@ -143,7 +174,8 @@ class Runtime:
         probe, _ = self._connect()
         self.info = probe.info
         probe.close()
-        self.shared = SharedConnection(self._connect()[0], self)
+        client, gen = self._connect()
+        self.shared = SharedConnection(client, self, gen)
         """Holds the adapters of sampling sessions made from a checkpoint path, and samples the base."""
         if supervisor is not None:
             supervisor.listeners.append(self.worker_restarted)
@@ -192,20 +224,17 @@ class Runtime:
     def worker_restarted(self, generation: int) -> None:
         """A new worker runs (the supervisor's listener, in its thread): connect the shared
         connection to it and load again every checkpoint that was loaded read-only, under the same
-        adapter names, so samplers made from checkpoint paths go on sampling."""
-        shared, _ = self._connect(wait=False)
+        adapter names, so samplers made from checkpoint paths go on sampling (one whose files were
+        deleted meanwhile is not: the service retires its samplers, `Service.worker_restarted`)."""
+        self.shared.refresh()
         with self._lock:
-            old, self.shared.client = self.shared.client, shared
-            todo = dict(self._from_checkpoints)
-        old.close()
+            todo = {name: entry for name, entry in self._from_checkpoints.items()
+                    if (Path(entry[0]) / "record.json").exists()}  # a deleted one is the service's to retire
 
         def reload(name: str, path: str, conn: SharedConnection) -> None:
             try:
-                client, _ = self._connect(wait=False)
-                old, conn.client = conn.client, client
-                old.close()
-                client.create_sampler(name, path)
-            except WorkerError as e:
+                conn.refresh()
+            except WorkerError as e:  # its next sample tries again (`SharedConnection._current`)
                 log.warning("checkpoint %s could not be loaded again on the new worker as %s: %s", path, name,
                             str(e).splitlines()[0])
 
@@ -293,7 +322,8 @@ class Runtime:
         checkpoints sharing one would decode one after another, where on connections of their
         own their calls reach the worker together and decode in one mixed-adapter batch."""
         name = _adapter_name("p")
-        conn = SharedConnection(self._connect()[0], self)
+        client, gen = self._connect()
+        conn = SharedConnection(client, self, gen, checkpoint=(name, str(path)))
         with self._lock:  # listed first: a worker restarted meanwhile loads it too
             self._from_checkpoints[name] = (str(path), conn)
             client = conn.client

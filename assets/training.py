@@ -15,6 +15,7 @@ artifacts, the checkpoint, MLflow and the materialization as with one device.
 
 
 import base64
+import os
 import time
 import urllib.error
 from pathlib import Path
@@ -64,6 +65,11 @@ class _Step:
         self.cfg = settings_config(self.settings)
         self.model_name = registered_model_name(self.name)
         self.start = time.perf_counter()
+        k = self.cfg.training.devices
+        if k > 1 and not self.ranked and int(os.environ.get("WORLD_SIZE", "1")) != k:
+            # the in-process executor runs every step here, on one device: refuse, don't train on one rank
+            raise ValueError(f"training.devices: {k} needs the GPU-aware executor (TINKER_EXECUTOR=gpu), which runs "
+                             f"each step as {k} ranks, one per leased device; this run's executor would train on one")
 
     def adapter(self, iteration: int):
         return find_adapter(self.context.instance, self.tracker, self.name, iteration) if iteration >= 0 else None

@@ -35,17 +35,19 @@ def _importable(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
-def _execute(tmp_path: Path, experiment: str, devices: int, ledger: str) -> subprocess.CompletedProcess:
-    """`dagster job execute` of one iteration of `experiment` with TINKER_EXECUTOR=gpu, as a user runs it."""
+def _execute(tmp_path: Path, experiment: str, devices: int, ledger: str,
+             executor: str = "gpu") -> subprocess.CompletedProcess:
+    """`dagster job execute` of one iteration of `experiment` with TINKER_EXECUTOR=`executor`, as a user runs it."""
     home = tmp_path / "dagster"
     home.mkdir(exist_ok=True)
     (home / "dagster.yaml").touch()
     settings = {**SETTINGS, "training": {**SETTINGS["training"], "devices": devices}}
-    run_config = {"ops": {"rollout_batch": {"config": settings}},
-                  "execution": {"config": {"inventory": {"count": 2, "memory_gb": 16}, "ledger_path": ledger}}}
+    run_config = {"ops": {"rollout_batch": {"config": settings}}}
+    if executor == "gpu":
+        run_config["execution"] = {"config": {"inventory": {"count": 2, "memory_gb": 16}, "ledger_path": ledger}}
     path = tmp_path / f"{experiment}.yaml"
     path.write_text(yaml.safe_dump(run_config))
-    env = {**os.environ, "DAGSTER_HOME": str(home), "TINKER_HOME": str(tmp_path / "tinker"), "TINKER_EXECUTOR": "gpu"}
+    env = {**os.environ, "DAGSTER_HOME": str(home), "TINKER_HOME": str(tmp_path / "tinker"), "TINKER_EXECUTOR": executor}
     return subprocess.run([sys.executable, "-m", "dagster", "job", "execute", "-m", "assets.definitions", "-j", "rl",
                            "-c", str(path), "--tags", f'{{"dagster/partition": "{experiment}:0"}}'],
                           env=env, capture_output=True, text=True, timeout=900)
@@ -131,4 +133,15 @@ def test_more_devices_than_the_node_has_fails_the_rl_job_before_any_model_loads(
     assert "ValueError: step rollout_batch (training.devices): step needs 3 x " in out
     assert "exclusive, but the inventory has only 2 device(s): it can never be placed" in out
     assert not Ledger(ledger).audit_log()
+    assert not (tmp_path / "tinker").exists() or not list((tmp_path / "tinker").rglob("*.safetensors"))
+
+
+@pytest.mark.e2e
+def test_several_devices_under_the_in_process_executor_fail_naming_the_executor(tmp_path):
+    """In-process, every step runs in the run's one process: `training.devices: 2` is refused
+    there, naming the field and the executor that runs it, instead of training on one rank."""
+    r = _execute(tmp_path, "inproc", 2, str(tmp_path / "ledger.sqlite"), executor="in_process")
+    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    assert "training.devices: 2 needs the GPU-aware executor (TINKER_EXECUTOR=gpu)" in out, out[-2000:]
     assert not (tmp_path / "tinker").exists() or not list((tmp_path / "tinker").rglob("*.safetensors"))

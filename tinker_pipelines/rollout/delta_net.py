@@ -6,7 +6,9 @@ the gated delta rule (`state_BHKV`, fp32, one `[Dk, Dv]` matrix per value head).
 updates both in the recurrent form; a prefill block of many tokens runs transformers' own chunked
 form (`torch_chunk_gated_delta_rule`) from each row's initial states. The arithmetic follows
 transformers' torch path (`Qwen3_5GatedDeltaNet.forward`, `causal_conv1d_update`,
-`torch_recurrent_gated_delta_rule`) op for op, so greedy tokens equal `generate`'s.
+`torch_recurrent_gated_delta_rule`) op for op, so greedy tokens equal `generate`'s, except where a
+decode step computes the same sums in another order to run faster (`_conv_step`, the recurrent
+step's matvecs): ~1e-7 apart in fp32, and still independent of the batch.
 
 A prefill block may hold, left of a row's new tokens, columns that are not the row's to run:
 left padding, or cached prompt tokens of a longer row's block (`LeanDecoder.prefill_reusing`).
@@ -82,6 +84,8 @@ def _conv(d: DeltaNet, x_BCT: torch.Tensor, conv_BCK: torch.Tensor, live_BT: tor
     With `live_BT`, a row's conv state is moved next to its first live column."""
     B, C, T = x_BCT.shape
     K = d.conv_CK.shape[1]
+    if T == 1 and live_BT is None:
+        return _conv_step(d, x_BCT, conv_BCK)
     seq_BCW = torch.cat([conv_BCK, x_BCT], dim=-1).to(d.conv_CK.dtype)
     if live_BT is not None:
         for i, m in enumerate(live_BT.sum(1).tolist()):
@@ -90,6 +94,18 @@ def _conv(d: DeltaNet, x_BCT: torch.Tensor, conv_BCK: torch.Tensor, live_BT: tor
                 seq_BCW[i, :, T - m: T - m + K] = conv_BCK[i]
     out = F.conv1d(seq_BCW, d.conv_CK.unsqueeze(1), d.conv_bias, padding=0, groups=C)[:, :, -T:]
     return d.act(out).to(x_BCT.dtype), seq_BCW[:, :, -K:]
+
+
+def _conv_step(d: DeltaNet, x_BC1: torch.Tensor, conv_BCK: torch.Tensor):
+    """`_conv` for one token: the state shifts by one column and the output is its K-tap dot
+    product with the kernel, in fp32 (a conv1d over K + 1 columns costs twice this at decode
+    sizes, for one output column in two). Elementwise ops and a reduction over each row's own
+    K values, so a row's floats do not depend on the batch."""
+    seq_BCK = torch.cat([conv_BCK[:, :, 1:], x_BC1.to(conv_BCK.dtype)], dim=-1)
+    out_BC1 = (seq_BCK.float() * d.conv_CK.float()).sum(-1, keepdim=True)
+    if d.conv_bias is not None:
+        out_BC1 = out_BC1 + d.conv_bias.float()[:, None]
+    return d.act(out_BC1.to(seq_BCK.dtype)).to(x_BC1.dtype), seq_BCK
 
 
 def _recurrent_step(q, k, v, g, beta, state_BHKV):
@@ -103,11 +119,14 @@ def _recurrent_step(q, k, v, g, beta, state_BHKV):
     q = l2norm(q.float(), dim=-1, eps=1e-6)
     k = l2norm(k.float(), dim=-1, eps=1e-6)
     q = q / (q.shape[-1] ** 0.5)
+    # the decayed state is a new tensor (a `PromptStore` may hold the old one), updated in place
+    # after; k^T S and q^T S are batched matvecs, where broadcast-and-sum made [B, Hv, Dk, Dv]
+    # temporaries (each matvec is one row's and head's: its floats do not depend on the batch)
     state_BHKV = state_BHKV * _lanes(torch.exp, g.float())[..., None, None]
-    kv_mem = (state_BHKV * k.unsqueeze(-1)).sum(dim=-2)
-    delta = (v.float() - kv_mem) * beta.float().unsqueeze(-1)
-    state_BHKV = state_BHKV + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    return (state_BHKV * q.unsqueeze(-1)).sum(dim=-2).to(dtype), state_BHKV
+    kv_mem_BHV = torch.matmul(k.unsqueeze(-2), state_BHKV).squeeze(-2)
+    delta_BHV = (v.float() - kv_mem_BHV) * beta.float().unsqueeze(-1)
+    state_BHKV.addcmul_(k.unsqueeze(-1), delta_BHV.unsqueeze(-2))
+    return torch.matmul(q.unsqueeze(-2), state_BHKV).squeeze(-2).to(dtype), state_BHKV
 
 
 def _chunked_rows(q, k, v, g, beta, state_BHKV, live_BT: torch.Tensor):

@@ -101,28 +101,36 @@ def _conv_step(d: DeltaNet, x_BC1: torch.Tensor, conv_BCK: torch.Tensor):
     product with the kernel, in fp32 (a conv1d over K + 1 columns costs twice this at decode
     sizes, for one output column in two). Elementwise ops and a reduction over each row's own
     K values, so a row's floats do not depend on the batch."""
-    seq_BCK = torch.cat([conv_BCK[:, :, 1:], x_BC1.to(conv_BCK.dtype)], dim=-1)
+    B, C, K = conv_BCK.shape
+    # the shift as one contiguous copy of the flattened state (a cat of 3 + 1 columns copies in
+    # 3-value pieces, 4x slower); the column that wraps in from the next channel is overwritten
+    seq_BCK = torch.empty_like(conv_BCK)
+    seq_BCK.view(B, C * K)[:, :-1] = conv_BCK.reshape(B, C * K)[:, 1:]
+    seq_BCK[:, :, K - 1] = x_BC1[:, :, 0]
     out_BC1 = (seq_BCK.float() * d.conv_CK.float()).sum(-1, keepdim=True)
     if d.conv_bias is not None:
         out_BC1 = out_BC1 + d.conv_bias.float()[:, None]
     return d.act(out_BC1.to(seq_BCK.dtype)).to(x_BC1.dtype), seq_BCK
 
 
-def _recurrent_step(q, k, v, g, beta, state_BHKV):
+def _recurrent_step(q, k, v, g, beta, state_BHKV, in_place: bool = False):
     """`torch_recurrent_gated_delta_rule` for one token: q/k `[B, Hk, Dk]`, v `[B, Hv, Dv]`,
-    g/beta `[B, Hv]`; returns (output `[B, Hv, Dv]` in v's dtype, new state)."""
+    g/beta `[B, Hv]`; returns (output `[B, Hv, Dv]` in v's dtype, new state). `in_place`: the
+    caller owns `state_BHKV` (no one else holds it), so it is updated where it is."""
     dtype = v.dtype
     n_rep = v.shape[1] // k.shape[1]
-    if n_rep > 1:
-        q, k = q.repeat_interleave(n_rep, dim=1), k.repeat_interleave(n_rep, dim=1)
-    l2norm = _hf().l2norm
+    l2norm = _hf().l2norm  # per head, so before the heads repeat: the same floats, n_rep times fewer
     q = l2norm(q.float(), dim=-1, eps=1e-6)
     k = l2norm(k.float(), dim=-1, eps=1e-6)
     q = q / (q.shape[-1] ** 0.5)
-    # the decayed state is a new tensor (a `PromptStore` may hold the old one), updated in place
-    # after; k^T S and q^T S are batched matvecs, where broadcast-and-sum made [B, Hv, Dk, Dv]
-    # temporaries (each matvec is one row's and head's: its floats do not depend on the batch)
-    state_BHKV = state_BHKV * _lanes(torch.exp, g.float())[..., None, None]
+    if n_rep > 1:
+        q, k = q.repeat_interleave(n_rep, dim=1), k.repeat_interleave(n_rep, dim=1)
+    # k^T S and q^T S are batched matvecs, where broadcast-and-sum made [B, Hv, Dk, Dv]
+    # temporaries (each matvec is one row's and head's: its floats do not depend on the batch).
+    # A fresh 2 MB state per layer and step cost ~10x the multiply itself (new pages each time):
+    # an owned state decays in place; another (a `PromptStore` may hold it) into a new tensor.
+    decay_BH11 = _lanes(torch.exp, g.float())[..., None, None]
+    state_BHKV = state_BHKV.mul_(decay_BH11) if in_place else state_BHKV * decay_BH11
     kv_mem_BHV = torch.matmul(k.unsqueeze(-2), state_BHKV).squeeze(-2)
     delta_BHV = (v.float() - kv_mem_BHV) * beta.float().unsqueeze(-1)
     state_BHKV.addcmul_(k.unsqueeze(-1), delta_BHV.unsqueeze(-2))
@@ -147,11 +155,13 @@ def _chunked_rows(q, k, v, g, beta, state_BHKV, live_BT: torch.Tensor):
 
 
 def mix(d: DeltaNet, proj_BTP: torch.Tensor, conv_BCK: torch.Tensor, state_BHKV: torch.Tensor,
-        live_BT: torch.Tensor | None = None, rowwise: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        live_BT: torch.Tensor | None = None, rowwise: bool = False,
+        own_state: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layer between its projections: `proj_BTP` is in_proj's output (q|k|v, z, b, a) of the
     (masked) normed input; returns (the gated norm's output `[B, T, Hv * Dv]`, for out_proj, the
     new conv state, the new recurrent state). One token steps the recurrent form; more run the
-    chunked form, with `live_BT` marking each row's own columns (`rowwise`: one row at a time)."""
+    chunked form, with `live_BT` marking each row's own columns (`rowwise`: one row at a time).
+    `own_state`: no one but the caller holds `state_BHKV`, so a decode step writes into it."""
     B, T, _ = proj_BTP.shape
     mixed, z, b, a = proj_BTP.split(d.splits, dim=-1)
     out_BCT, conv_BCK = _conv(d, mixed.transpose(1, 2), conv_BCK, live_BT)
@@ -161,7 +171,7 @@ def mix(d: DeltaNet, proj_BTP: torch.Tensor, conv_BCK: torch.Tensor, state_BHKV:
     g = d.neg_A_H * _lanes(F.softplus, a.float() + d.dt_bias_H)
     if T == 1 and live_BT is None:
         o, state_BHKV = _recurrent_step(q.reshape(B, d.n_k, d.dk), k.reshape(B, d.n_k, d.dk),
-                                        v.reshape(B, d.n_v, d.dv), g[:, 0], beta[:, 0], state_BHKV)
+                                        v.reshape(B, d.n_v, d.dv), g[:, 0], beta[:, 0], state_BHKV, own_state)
         o = o[:, None]
     elif rowwise and live_BT is not None:
         o, state_BHKV = _chunked_rows(q.reshape(B, T, d.n_k, d.dk), k.reshape(B, T, d.n_k, d.dk),

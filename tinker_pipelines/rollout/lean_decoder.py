@@ -471,8 +471,9 @@ class LeanDecoder:
         if live_BT is not None:  # transformers zeroes padding's input to these layers
             x = x * live_BT[..., None].to(x.dtype)
         proj = self._lin(x, f.qkv, li, 0)
+        # the decoder owns its recurrent states (`states` gives others copies): a step updates them in place
         o, self.conv[slot], self.rec[slot] = delta_net.mix(f.mixer, proj, self.conv[slot], self.rec[slot], live_BT,
-                                                           rowwise=self.invariant)
+                                                           rowwise=self.invariant, own_state=True)
         return self._lin(o, f.o, li, 1)
 
     def _block_masks(self, mask_BL: torch.Tensor, T: int) -> dict[int | None, torch.Tensor]:
@@ -552,9 +553,9 @@ class LeanDecoder:
                            {p: i for i, p in enumerate(prompts)}, fingerprint, self.states())
 
     def states(self) -> dict[str, list[torch.Tensor]]:
-        """The linear-attention layers' per-row states now, for a `PromptStore` (copies of the
-        lists: a step replaces their tensors, it never writes into them)."""
-        return {"conv": list(self.conv), "rec": list(self.rec)} if self.hybrid else {}
+        """The linear-attention layers' per-row states now, for a `PromptStore`: the conv states
+        as they are (a step replaces them), copies of the recurrent ones (a step writes into them)."""
+        return {"conv": list(self.conv), "rec": [r.clone() for r in self.rec]} if self.hybrid else {}
 
     def _per_row(self) -> dict[str, list[torch.Tensor]]:
         """Every per-row tensor of the batch's state (batch first), by name: what `select`

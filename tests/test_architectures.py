@@ -88,6 +88,20 @@ def test_greedy_and_logprobs_match_hf(name, dtype):
     assert [list(s.tokens) for s in again] == hf_greedy(model, longer, 8)
 
 
+def test_qwen3_5_decoding_leaves_the_stored_prompt_states_as_prefilled():
+    """A decode step updates each row's recurrent state in place: the `PromptStore` a later,
+    longer prompt starts from must keep the states at the prompts' ends, not the decoded ones."""
+    model = _model("qwen3_5")
+    rows = prompts(VOCAB)
+    decoded = Sampler(model, PAD, [])
+    decoded.sample(rows, 8, temperature=0.0)
+    prefilled = Sampler(model, PAD, [])
+    prefilled.sample(rows, 1, temperature=0.0)  # one token: no decode step runs
+    for name in ("conv", "rec"):
+        for a, b in zip(decoded._store.states[name], prefilled._store.states[name], strict=True):
+            assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_shared_system_prompt_is_prefilled_once(name):
     """Prompts sharing 18 tokens: the start runs once and is copied into each row's cache."""

@@ -344,7 +344,7 @@ class LeanDecoder:
         # (a windowed family's must not have it: it would keep only the window's keys)
         cache = DynamicCache(config=self.causal.config) if self.hybrid else DynamicCache()
         out = self.causal(input_ids=input_BL, attention_mask=mask_BL, position_ids=positions_BL,
-                          cache=cache, use_cache=True, logits_to_keep=1)
+                          cache=cache, use_cache=True, logits_to_keep=1, **self._chunking(L))
         S = L + max_new_tokens
         self.keys, self.values, self.conv, self.rec = [], [], [], []
         for layer, kind in zip(cache.layers[: len(self.layers)], self.kinds):
@@ -360,6 +360,18 @@ class LeanDecoder:
             self.values.append(v)
         self._setup(mask_BL, positions_BL, max_new_tokens, out.logits.dtype)
         return out.logits[:, -1]
+
+    DELTA_CHUNKS = (32, 64)
+    """Chunk sizes of transformers' chunked gated delta rule a hybrid prefill picks from."""
+
+    def _chunking(self, L: int) -> dict:
+        """A hybrid model's prefill chunk size: the smallest of `DELTA_CHUNKS` that holds the `L`
+        prompt columns (transformers passes it down to `torch_chunk_gated_delta_rule`, which pads
+        to a whole chunk: a 32-token prompt in its default 64 costs ~2x). Same arithmetic, another
+        grouping of it, as `training.prefix_sharing._chunking` does for a continuation."""
+        if not self.hybrid:
+            return {}
+        return {"chunk_size": next((c for c in self.DELTA_CHUNKS if L <= c), self.DELTA_CHUNKS[-1])}
 
     def _setup(self, mask_BL: torch.Tensor, positions_BL: torch.Tensor, max_new_tokens: int,
                dtype: torch.dtype) -> None:
@@ -471,8 +483,9 @@ class LeanDecoder:
         if live_BT is not None:  # transformers zeroes padding's input to these layers
             x = x * live_BT[..., None].to(x.dtype)
         proj = self._lin(x, f.qkv, li, 0)
+        # the decoder owns its recurrent states (`states` gives others copies): a step updates them in place
         o, self.conv[slot], self.rec[slot] = delta_net.mix(f.mixer, proj, self.conv[slot], self.rec[slot], live_BT,
-                                                           rowwise=self.invariant)
+                                                           rowwise=self.invariant, own_state=True)
         return self._lin(o, f.o, li, 1)
 
     def _block_masks(self, mask_BL: torch.Tensor, T: int) -> dict[int | None, torch.Tensor]:
@@ -552,9 +565,9 @@ class LeanDecoder:
                            {p: i for i, p in enumerate(prompts)}, fingerprint, self.states())
 
     def states(self) -> dict[str, list[torch.Tensor]]:
-        """The linear-attention layers' per-row states now, for a `PromptStore` (copies of the
-        lists: a step replaces their tensors, it never writes into them)."""
-        return {"conv": list(self.conv), "rec": list(self.rec)} if self.hybrid else {}
+        """The linear-attention layers' per-row states now, for a `PromptStore`: the conv states
+        as they are (a step replaces them), copies of the recurrent ones (a step writes into them)."""
+        return {"conv": list(self.conv), "rec": [r.clone() for r in self.rec]} if self.hybrid else {}
 
     def _per_row(self) -> dict[str, list[torch.Tensor]]:
         """Every per-row tensor of the batch's state (batch first), by name: what `select`
